@@ -1,0 +1,32 @@
+"""te_paged: paged stashing of MoE expert activations for PyTorch training.
+
+Importing this package touches no CUDA state and needs neither Triton nor Transformer Engine.
+"""
+
+from te_paged.config import MoEConfig
+from te_paged.kernels import KernelBackend
+from te_paged.markers import (
+    is_checkpoint_without_output_tensor,
+    is_grouped_tensor_marked,
+    mark_grouped_tensor,
+    mark_recompute_managed,
+    propagate_paged_stash_marker,
+)
+from te_paged.stash import PagedStashBuffer, PagedStashManager, StashKey, StashMode, StashStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "KernelBackend",
+    "MoEConfig",
+    "PagedStashBuffer",
+    "PagedStashManager",
+    "StashKey",
+    "StashMode",
+    "StashStats",
+    "is_checkpoint_without_output_tensor",
+    "is_grouped_tensor_marked",
+    "mark_grouped_tensor",
+    "mark_recompute_managed",
+    "propagate_paged_stash_marker",
+]

@@ -1,0 +1,428 @@
+"""`MoEConfig`: the MoE expert-layer configuration, with Megatron `TransformerConfig` field names.
+
+Every invalid combination is rejected in `__post_init__` (and therefore also by
+`dataclasses.replace`) with one `ValueError` that lists each problem: the field(s), the value(s)
+and the fix. Nothing downstream re-checks these with `assert`.
+
+Choice-valued fields are stored as plain strings (as Megatron does) but validated against the enums
+below; the `activation_type`, `fp8_recipe` and `kernel_backend` properties return the enum members.
+Passing an enum member instead of its string is accepted and normalised to the string.
+
+Static token budget (see DESIGN.md §1), for one rank with `T` input tokens:
+
+    max_num_tokens = ceil(T × moe_router_topk × moe_expert_rank_capacity_factor)   [↑32 for MXFP8]
+    avg_num_tokens = floor(max_num_tokens / moe_expert_rank_capacity_factor)       (balanced case)
+
+Both use the decimal value of the factor, not its binary float: with 100 tokens, top-2 and factor
+1.1 the budget is 220 rows (float math gives 221) and `avg_num_tokens(220)` is 200 (float `//`
+gives 199).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+import torch
+
+
+class Activation(str, enum.Enum):
+    """Expert activation. SwiGLU and QuickGeGLU are gated (FC1 is 2×ffn wide); GELU/SiLU are not."""
+
+    SWIGLU = "swiglu"
+    QUICK_GEGLU = "quick_geglu"
+    GELU = "gelu"
+    SILU = "silu"
+
+    @property
+    def is_gated(self) -> bool:
+        return self in (Activation.SWIGLU, Activation.QUICK_GEGLU)
+
+
+class Fp8Recipe(str, enum.Enum):
+    """FP8 recipe for expert GEMM inputs (`fp8=None` means no FP8)."""
+
+    TENSORWISE = "tensorwise"  # per-tensor current scaling
+    MXFP8 = "mxfp8"  # blocks of 32 elements with power-of-two scales
+
+
+class KernelBackend(str, enum.Enum):
+    """Implementation of the stash copy/pop kernels."""
+
+    AUTO = "auto"  # Triton on CUDA when importable, else the torch reference
+    TRITON = "triton"
+    TORCH = "torch"
+
+
+class RecomputeGranularity(str, enum.Enum):
+    """Activation recompute granularity (`recompute_granularity=None` means no recompute)."""
+
+    SELECTIVE = "selective"
+    FULL = "full"
+
+
+class RecomputeModule(str, enum.Enum):
+    """Module names accepted in `recompute_modules` (selective recompute)."""
+
+    MOE_ACT = "moe_act"
+    MOE = "moe"
+    MLP = "mlp"
+    LAYERNORM = "layernorm"
+    CORE_ATTN = "core_attn"
+    SHARED_EXPERTS = "shared_experts"
+
+
+# Activations whose saved tensors would be owned twice (offload and stash) under paged stash.
+PAGED_STASH_FORBIDDEN_OFFLOAD_MODULES: tuple[str, ...] = (
+    "expert_fc1",
+    "moe_act",
+    "fused_group_mlp",
+)
+# The non-op-fuser paged-stash path has fused, marker-propagating kernels for these only.
+PAGED_STASH_NON_OP_FUSER_ACTIVATIONS: tuple[Activation, ...] = (
+    Activation.SWIGLU,
+    Activation.QUICK_GEGLU,
+)
+PARAMS_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+MXFP8_BLOCK_SIZE: int = 32
+
+
+def _allowed(enum_cls: type[enum.Enum]) -> str:
+    return ", ".join(repr(m.value) for m in enum_cls)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _exact(value: float) -> Fraction:
+    # The decimal the user wrote, not its binary float: 100 × 2 × 1.1 must give 220, not 221.
+    return Fraction(repr(float(value)))
+
+
+@dataclass
+class MoEConfig:
+    """Configuration of one MoE expert layer and its paged activation stash."""
+
+    # Model sizes.
+    hidden_size: int = 64
+    moe_ffn_hidden_size: int = 128
+    num_moe_experts: int = 8
+    moe_router_topk: int = 2
+    # Activation.
+    gated_linear_unit: bool = True
+    activation: str = "swiglu"
+    activation_func_clamp_value: float | None = None  # QuickGeGLU clamp limit
+    glu_linear_offset: float = 0.0  # QuickGeGLU linear offset
+    # Expert MLP execution.
+    bias_activation_fusion: bool = True
+    add_bias_linear: bool = False
+    moe_mlp_glu_interleave_size: int | None = None
+    moe_apply_probs_on_input: bool = False
+    moe_use_grouped_tensor: bool = True
+    use_transformer_engine_op_fuser: bool = False
+    # Static budget and paged stash.
+    moe_expert_rank_capacity_factor: float | None = None
+    moe_paged_stash: bool = False
+    moe_paged_stash_page_size: int = 64
+    moe_paged_stash_buffer_size_factor_cuda: float = 1.10
+    moe_paged_stash_buffer_size_factor_cpu: float = 0.0
+    # Recompute and offloading.
+    recompute_granularity: str | None = None
+    recompute_modules: list[str] = field(default_factory=list)
+    cpu_offloading: bool = False
+    offload_modules: list[str] = field(default_factory=list)
+    # Precision, parallelism, kernels.
+    fp8: str | None = None
+    params_dtype: torch.dtype = torch.float32
+    expert_model_parallel_size: int = 1
+    moe_paged_stash_kernel_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        # Copy the lists so that a caller's list (or one shared via `replace`) is not aliased;
+        # a bare string is left for validate() to reject rather than split into characters.
+        for name in ("recompute_modules", "offload_modules"):
+            if not isinstance(getattr(self, name), str):
+                setattr(self, name, list(getattr(self, name)))
+        self.validate()
+
+    # ----------------------------------------------------------------------------------------------
+    # Derived values.
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_moe_experts // self.expert_model_parallel_size
+
+    @property
+    def recompute_moe_act(self) -> bool:
+        return RecomputeModule.MOE_ACT.value in self.recompute_modules
+
+    @property
+    def fc1_output_size(self) -> int:
+        return 2 * self.moe_ffn_hidden_size if self.gated_linear_unit else self.moe_ffn_hidden_size
+
+    @property
+    def activation_type(self) -> Activation:
+        return Activation(self.activation)
+
+    @property
+    def fp8_recipe(self) -> Fp8Recipe | None:
+        return None if self.fp8 is None else Fp8Recipe(self.fp8)
+
+    @property
+    def kernel_backend(self) -> KernelBackend:
+        return KernelBackend(self.moe_paged_stash_kernel_backend)
+
+    def max_num_tokens(self, num_tokens: int) -> int:
+        """Static per-rank expert-input rows for `num_tokens` input tokens (see module doc)."""
+        factor = self._require_capacity_factor("max_num_tokens")
+        if not _is_int(num_tokens) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be a non-negative int; got {num_tokens!r}")
+        rows = math.ceil(num_tokens * self.moe_router_topk * _exact(factor))
+        if self.fp8 == Fp8Recipe.MXFP8.value:
+            # One MXFP8 scale row covers 32 token rows, so the budget must be whole blocks.
+            rows = -(-rows // MXFP8_BLOCK_SIZE) * MXFP8_BLOCK_SIZE
+        return rows
+
+    def avg_num_tokens(self, max_num_tokens: int) -> int:
+        """Balanced-case rows for a static budget of `max_num_tokens` rows."""
+        factor = self._require_capacity_factor("avg_num_tokens")
+        if not _is_int(max_num_tokens) or max_num_tokens < 0:
+            raise ValueError(f"max_num_tokens must be a non-negative int; got {max_num_tokens!r}")
+        return math.floor(max_num_tokens / _exact(factor))
+
+    def _require_capacity_factor(self, what: str) -> float:
+        if self.moe_expert_rank_capacity_factor is None:
+            raise ValueError(
+                f"{what}() needs moe_expert_rank_capacity_factor, which is None; "
+                "set it, e.g. moe_expert_rank_capacity_factor=1.5"
+            )
+        return self.moe_expert_rank_capacity_factor
+
+    # ----------------------------------------------------------------------------------------------
+    # Validation.
+
+    def validate(self) -> None:
+        """Raise `ValueError` listing every problem; called by `__post_init__`."""
+        problems: list[str] = []
+        self._check_choices(problems)
+        self._check_sizes(problems)
+        self._check_reals(problems)
+        self._check_activation(problems)
+        self._check_recompute_and_offload(problems)
+        self._check_paged_stash(problems)
+        if len(problems) == 1:
+            raise ValueError(f"invalid MoEConfig: {problems[0]}")
+        if problems:
+            raise ValueError("invalid MoEConfig:\n  - " + "\n  - ".join(problems))
+
+    def _check_sizes(self, problems: list[str]) -> None:
+        names = (
+            "hidden_size",
+            "moe_ffn_hidden_size",
+            "num_moe_experts",
+            "moe_router_topk",
+            "expert_model_parallel_size",
+            "moe_paged_stash_page_size",
+        )
+        bad = False
+        for name in names:
+            value = getattr(self, name)
+            if not _is_int(value) or value <= 0:
+                problems.append(f"{name} must be a positive int; got {value!r}")
+                bad = True
+        if bad:
+            return  # the relations below would only repeat the same problem
+        experts, ep = self.num_moe_experts, self.expert_model_parallel_size
+        if experts % ep != 0:
+            problems.append(
+                f"num_moe_experts={experts} is not divisible by expert_model_parallel_size={ep}; "
+                "choose an expert_model_parallel_size that divides num_moe_experts"
+            )
+        if self.moe_router_topk > experts:
+            problems.append(
+                f"moe_router_topk={self.moe_router_topk} exceeds num_moe_experts={experts}; "
+                "set moe_router_topk <= num_moe_experts"
+            )
+        interleave = self.moe_mlp_glu_interleave_size
+        if interleave is not None and (not _is_int(interleave) or interleave <= 0):
+            problems.append(
+                f"moe_mlp_glu_interleave_size must be None or a positive int; got {interleave!r}"
+            )
+        if self.fp8 == Fp8Recipe.MXFP8.value:
+            for name in ("hidden_size", "moe_ffn_hidden_size"):
+                if getattr(self, name) % MXFP8_BLOCK_SIZE != 0:
+                    problems.append(
+                        f"fp8='mxfp8' needs {name} to be a multiple of {MXFP8_BLOCK_SIZE} (got "
+                        f"{getattr(self, name)}); pad {name} to a multiple of {MXFP8_BLOCK_SIZE} "
+                        "or use fp8='tensorwise'"
+                    )
+
+    def _check_choices(self, problems: list[str]) -> None:
+        choices: tuple[tuple[str, type[enum.Enum], bool], ...] = (
+            ("activation", Activation, False),
+            ("fp8", Fp8Recipe, True),
+            ("moe_paged_stash_kernel_backend", KernelBackend, False),
+            ("recompute_granularity", RecomputeGranularity, True),
+        )
+        for name, enum_cls, nullable in choices:
+            value = getattr(self, name)
+            if value is None and nullable:
+                continue
+            try:
+                setattr(self, name, enum_cls(value).value)  # normalise enum members to str
+            except ValueError:
+                none = "None or " if nullable else ""
+                problems.append(
+                    f"{name}={value!r} is not supported; use {none}one of {_allowed(enum_cls)}"
+                )
+        for name in ("recompute_modules", "offload_modules"):
+            if isinstance(getattr(self, name), str):
+                problems.append(f"{name} must be a list of names, e.g. ['moe_act']; got a str")
+                setattr(self, name, [getattr(self, name)])
+        for i, module in enumerate(self.recompute_modules):
+            try:
+                self.recompute_modules[i] = RecomputeModule(module).value
+            except ValueError:
+                problems.append(
+                    f"recompute_modules contains unknown module {module!r}; "
+                    f"allowed: {_allowed(RecomputeModule)}"
+                )
+        if self.params_dtype not in PARAMS_DTYPES:
+            problems.append(
+                f"params_dtype={self.params_dtype!r} is not a supported floating dtype; "
+                f"use one of {', '.join(str(d) for d in PARAMS_DTYPES)}"
+            )
+
+    def _check_reals(self, problems: list[str]) -> None:
+        # (field, may be None, lower bound, bound is strict, example of a good value)
+        reals: tuple[tuple[str, bool, float, bool, str], ...] = (
+            ("moe_expert_rank_capacity_factor", True, 0.0, True, "1.5"),
+            ("moe_paged_stash_buffer_size_factor_cuda", False, 0.0, False, "1.10"),
+            ("moe_paged_stash_buffer_size_factor_cpu", False, 0.0, False, "0.0"),
+            ("activation_func_clamp_value", True, 0.0, True, "7.0"),
+            ("glu_linear_offset", False, -math.inf, False, "0.0"),
+        )
+        for name, nullable, low, strict, example in reals:
+            value = getattr(self, name)
+            if value is None and nullable:
+                continue
+            ok = _is_real(value) and math.isfinite(value)
+            if not ok or value < low or (strict and value == low):
+                bound = "" if low == -math.inf else f" {'>' if strict else '>='} {low:g}"
+                none = "None or " if nullable else ""
+                problems.append(
+                    f"{name} must be {none}a finite number{bound}; got {value!r} (e.g. {example})"
+                )
+        if self.moe_paged_stash and self.moe_paged_stash_buffer_size_factor_cuda == 0:
+            problems.append(
+                "moe_paged_stash=True with moe_paged_stash_buffer_size_factor_cuda=0 leaves no "
+                "device pages, so every stash would spill or overflow; set it > 0 (default 1.10) "
+                "or moe_paged_stash=False"
+            )
+
+    def _check_activation(self, problems: list[str]) -> None:
+        if self.activation not in tuple(a.value for a in Activation):
+            return  # already reported by _check_choices
+        act = Activation(self.activation)
+        quick_geglu_only = (
+            ("activation_func_clamp_value", self.activation_func_clamp_value is not None, "None"),
+            ("glu_linear_offset", self.glu_linear_offset != 0, "0.0"),
+        )
+        for name, is_set, default in quick_geglu_only:
+            if is_set and act is not Activation.QUICK_GEGLU:
+                problems.append(
+                    f"{name}={getattr(self, name)!r} only applies to activation='quick_geglu' "
+                    f"(got activation={act.value!r}); set {name}={default} or "
+                    "activation='quick_geglu'"
+                )
+        if self._paged_stash_non_op_fuser:
+            return  # gating is checked by _check_paged_stash with a path-specific message
+        if act.is_gated != self.gated_linear_unit:
+            kind = "gated" if act.is_gated else "not gated"
+            problems.append(
+                f"activation={act.value!r} is {kind} but gated_linear_unit="
+                f"{self.gated_linear_unit}; set gated_linear_unit={act.is_gated} "
+                "(gated: 'swiglu', 'quick_geglu'; non-gated: 'gelu', 'silu')"
+            )
+
+    def _check_recompute_and_offload(self, problems: list[str]) -> None:
+        if self.recompute_modules and self.recompute_granularity != "selective":
+            problems.append(
+                f"recompute_modules={self.recompute_modules!r} is only honoured with "
+                f"recompute_granularity='selective' (got {self.recompute_granularity!r}); "
+                "set recompute_granularity='selective' or recompute_modules=[]"
+            )
+        if not self.moe_paged_stash:
+            return
+        if self.cpu_offloading:
+            problems.append(
+                "moe_paged_stash=True is incompatible with cpu_offloading=True (both would own "
+                "the expert activations); set cpu_offloading=False or moe_paged_stash=False"
+            )
+        clash = [m for m in self.offload_modules if m in PAGED_STASH_FORBIDDEN_OFFLOAD_MODULES]
+        if clash:
+            problems.append(
+                f"moe_paged_stash=True is incompatible with offload_modules containing {clash!r} "
+                f"(forbidden: {', '.join(PAGED_STASH_FORBIDDEN_OFFLOAD_MODULES)}); remove them "
+                "from offload_modules or set moe_paged_stash=False"
+            )
+
+    @property
+    def _paged_stash_non_op_fuser(self) -> bool:
+        return self.moe_paged_stash and not self.use_transformer_engine_op_fuser
+
+    def _check_paged_stash(self, problems: list[str]) -> None:
+        if not self.moe_paged_stash:
+            return
+        if self.moe_expert_rank_capacity_factor is None:
+            problems.append(
+                "moe_paged_stash=True requires moe_expert_rank_capacity_factor (got None), the "
+                "static per-rank budget; set it, e.g. moe_expert_rank_capacity_factor=1.5"
+            )
+        if not self._paged_stash_non_op_fuser:
+            return
+        # The non-op-fuser path relies on device-initiated GroupedLinear and on the fused,
+        # marker-propagating SwiGLU/QuickGeGLU kernels; anything else would save unmarked tensors.
+        supported = tuple(a.value for a in PAGED_STASH_NON_OP_FUSER_ACTIVATIONS)
+        known = tuple(a.value for a in Activation)
+        interleave = self.moe_mlp_glu_interleave_size
+        requirements: tuple[tuple[bool, str, str], ...] = (
+            (
+                not self.moe_use_grouped_tensor,
+                "moe_use_grouped_tensor=True (device-initiated GroupedLinear)",
+                "set moe_use_grouped_tensor=True",
+            ),
+            (
+                not self.bias_activation_fusion,
+                "bias_activation_fusion=True (fused SwiGLU/QuickGeGLU)",
+                "set bias_activation_fusion=True",
+            ),
+            (
+                not self.gated_linear_unit,
+                "a gated activation, got gated_linear_unit=False",
+                "set gated_linear_unit=True with activation 'swiglu' or 'quick_geglu'",
+            ),
+            (
+                self.activation in known and self.activation not in supported,
+                f"activation 'swiglu' or 'quick_geglu', got activation={self.activation!r}",
+                "change activation",
+            ),
+            (
+                interleave is not None,
+                f"no GLU interleaving, got moe_mlp_glu_interleave_size={interleave!r}",
+                "set moe_mlp_glu_interleave_size=None",
+            ),
+        )
+        for violated, requirement, fix in requirements:
+            if violated:
+                problems.append(
+                    "moe_paged_stash=True with use_transformer_engine_op_fuser=False requires "
+                    f"{requirement}; {fix} or set use_transformer_engine_op_fuser=True"
+                )

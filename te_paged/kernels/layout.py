@@ -1,0 +1,64 @@
+"""The device-side layout shared by every stash kernel implementation.
+
+All bookkeeping lives in small int tensors on the pool's device, so that a kernel can read and
+update it without a host round trip:
+
+``state`` (int64, one per :class:`~te_paged.stash.PagedStashBuffer`)
+    ``HEAD``/``TAIL`` and ``HOST_HEAD``/``HOST_TAIL`` are monotone counters of the circular free
+    lists (free pages = tail − head; slot ``i`` of the queue is ``free[i % num_pages]``);
+    ``HWM``/``HOST_HWM`` the most pages ever in use; ``ROWS_STASHED`` and ``SPILLED`` running
+    totals for statistics.
+
+``flags`` (int64, one per manager, shared by all its pools)
+    ``OVERFLOW`` counts stashes that found no room (or more tokens than the static budget) —
+    once non-zero, every copy and pop is a no-op; ``HOST_SPILL`` counts tensors that went to the
+    host tier.
+
+``record`` (per stashed tensor) — ``pages`` (int32, ``ceil(max_rows / page_size)`` slots) and
+    ``meta`` (int64): ``ROWS`` stored and the ``TIER`` they went to.
+
+Worked example (4 device pages, page size 2, free list initially ``[0 1 2 3]``, head 0, tail 4):
+stash A (3 rows) takes slots 0–1 → pages ``[0 1]``, head 2; stash B (1 row) takes slot 2 → page
+``[2]``, head 3; stash C (3 rows) needs 2 pages but only 1 is free → host tier or overflow. Pop A
+writes pages 0, 1 into slots 4 % 4 = 0 and 5 % 4 = 1, tail 6; the queue now holds, from head 3,
+``[3 0 1]``, so the next stash takes page 3 then 0: pages need not be contiguous and pops need
+not be in stash order.
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["FLAGS_LEN", "META_LEN", "STATE_LEN", "Flag", "Meta", "State", "Tier"]
+
+
+class State(enum.IntEnum):
+    HEAD = 0
+    TAIL = 1
+    HWM = 2
+    HOST_HEAD = 3
+    HOST_TAIL = 4
+    HOST_HWM = 5
+    ROWS_STASHED = 6
+    SPILLED = 7
+
+
+class Flag(enum.IntEnum):
+    OVERFLOW = 0
+    HOST_SPILL = 1
+
+
+class Meta(enum.IntEnum):
+    ROWS = 0
+    TIER = 1
+
+
+class Tier(enum.IntEnum):
+    NONE = 0  # nothing stored: the step overflowed
+    DEVICE = 1
+    HOST = 2
+
+
+STATE_LEN = len(State)
+FLAGS_LEN = len(Flag)
+META_LEN = len(Meta)

@@ -1,0 +1,125 @@
+"""One page pool per (dtype, hidden size).
+
+Shape suffixes: ``P`` pages, ``S`` page size (rows per page), ``H`` hidden (elements per row),
+``N = P·S`` pool rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from te_paged.kernels.layout import STATE_LEN, State
+
+__all__ = ["PagedStashBuffer", "StashKey", "storage_dtype"]
+
+_FP8_DTYPES = {
+    d
+    for d in (
+        getattr(torch, "float8_e4m3fn", None),
+        getattr(torch, "float8_e5m2", None),
+        getattr(torch, "float8_e4m3fnuz", None),
+        getattr(torch, "float8_e5m2fnuz", None),
+        getattr(torch, "float8_e8m0fnu", None),
+    )
+    if d is not None
+}
+
+_BITS_BY_ITEMSIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def storage_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The integer dtype a pool of ``dtype`` stores: same width, raw bits (FP8 → bytes).
+
+    Storing bits rather than values makes "stash only moves bytes" literal: NaN payloads,
+    negative zeros and FP8 encodings round-trip exactly.
+    """
+    if dtype.is_complex or dtype == torch.bool:
+        raise TypeError(f"paged stash cannot store tensors of dtype {dtype}")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return _BITS_BY_ITEMSIZE[itemsize]
+
+
+@dataclasses.dataclass(frozen=True)
+class StashKey:
+    """Pools are shared by every saved tensor with the same dtype and row width."""
+
+    dtype: torch.dtype
+    hidden: int
+
+    def __str__(self) -> str:
+        return f"{str(self.dtype).removeprefix('torch.')}x{self.hidden}"
+
+
+class PagedStashBuffer:
+    """A device pool ``[P·S, H]``, an optional host tier, their free lists and counters.
+
+    The free lists are circular queues of page ids on the pool's device; ``state`` holds their
+    monotone head/tail counters and statistics (layout in :mod:`te_paged.kernels.layout`).
+    Construction is the only allocation: :meth:`reset` restores the initial state in place.
+    """
+
+    def __init__(
+        self,
+        key: StashKey,
+        num_pages: int,
+        page_size: int,
+        device: torch.device | str,
+        host_num_pages: int = 0,
+    ) -> None:
+        if num_pages < 1 or host_num_pages < 0 or page_size < 1:
+            raise ValueError(
+                f"PagedStashBuffer({key}) needs num_pages >= 1, host_num_pages >= 0 and "
+                f"page_size >= 1, got {num_pages}, {host_num_pages}, {page_size}"
+            )
+        device = torch.device(device)
+        self.key = key
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.host_num_pages = host_num_pages
+        self.device = device
+        bits = storage_dtype(key.dtype)
+        # Zero-filled rather than empty: pool contents are then a deterministic function of the
+        # stash history, which is what the reference-vs-Triton tests compare.
+        self.pool_NH = torch.zeros(num_pages * page_size, key.hidden, dtype=bits, device=device)
+        self.free_P = torch.arange(num_pages, dtype=torch.int32, device=device)
+        # A pinned host tier is only possible with CUDA; on CPU the "host tier" is plain memory.
+        pin = device.type == "cuda"
+        self.host_pool_NH = torch.zeros(
+            host_num_pages * page_size, key.hidden, dtype=bits, pin_memory=pin
+        )
+        if device.type == "cpu":
+            self.host_pool_NH = self.host_pool_NH.to(device)
+        self.host_free_P = torch.arange(host_num_pages, dtype=torch.int32, device=device)
+        self.state = torch.zeros(STATE_LEN, dtype=torch.int64, device=device)
+        self.state[State.TAIL] = num_pages
+        self.state[State.HOST_TAIL] = host_num_pages
+        self._initial_state = self.state.clone()
+        self._initial_free = self.free_P.clone()
+        self._initial_host_free = self.host_free_P.clone()
+
+    def reset(self) -> None:
+        """Return every page to the free lists and clear the counters; allocates nothing."""
+        self.free_P.copy_(self._initial_free)
+        self.host_free_P.copy_(self._initial_host_free)
+        self.state.copy_(self._initial_state)
+
+    @property
+    def pool_bytes(self) -> int:
+        """Device bytes held by the pool (the page data only)."""
+        return self.pool_NH.numel() * self.pool_NH.element_size()
+
+    @property
+    def host_pool_bytes(self) -> int:
+        return self.host_pool_NH.numel() * self.host_pool_NH.element_size()
+
+    def kernel_args(self) -> tuple[torch.Tensor, ...]:
+        """``(dev_pool, dev_free, host_pool, host_free, state)`` in the kernels' order."""
+        return (self.pool_NH, self.free_P, self.host_pool_NH, self.host_free_P, self.state)
+
+    def __repr__(self) -> str:
+        return (
+            f"PagedStashBuffer({self.key}, pages={self.num_pages}, host_pages="
+            f"{self.host_num_pages}, page_size={self.page_size}, device={self.device})"
+        )

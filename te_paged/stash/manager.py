@@ -1,0 +1,394 @@
+"""The paged-stash manager: pools, flags, statistics and the saved-tensor scope.
+
+Lifecycle (one manager per model, shared by all its MoE layers; never a process-wide singleton)::
+
+    manager = PagedStashManager(page_size=64, buffer_size_factor_cuda=1.1)
+    for step in ...:
+        manager.reset()                       # step boundary (allocation-free after step 2)
+        for layer in layers:
+            with manager.scope(max_num_tokens, num_tokens_dev, avg_num_tokens):
+                out = layer(...)              # marked saved tensors are paged
+        loss.backward()                       # unpack hooks pop them back
+        manager.stats()                       # one host read, if the caller wants it
+
+* **capture** (first step): every marked saved tensor is truncated to its actual rows (counts
+  read on the host) and restored in backward; the manager learns each (dtype, hidden) key and
+  the peak of concurrently live rows, actual and balanced-case.
+* **captured** (later steps): the first ``reset()`` after capture allocates one pool per key of
+  ``ceil(factor × peak balanced rows / page_size)`` pages (and a host tier with the CPU factor);
+  stash and pop then run the kernels, which read counts on the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import math
+from collections.abc import Iterator
+
+import torch
+
+from te_paged.kernels.layout import FLAGS_LEN, META_LEN, Flag, State
+from te_paged.kernels.ops import KernelBackend, resolve_backend, stash_copy, stash_pop
+from te_paged.markers import (
+    MarkerKind,
+    grouped_tensor_marker,
+    is_checkpoint_without_output_tensor,
+)
+from te_paged.stash.buffer import PagedStashBuffer, StashKey, storage_dtype
+
+__all__ = ["PagedStashManager", "StashMode", "StashStats"]
+
+
+class StashMode(enum.Enum):
+    CAPTURE = "capture"
+    CAPTURED = "captured"
+
+
+@dataclasses.dataclass
+class _Peak:
+    live_rows: int = 0
+    peak_rows: int = 0
+    live_balanced: int = 0
+    peak_balanced: int = 0
+
+
+@dataclasses.dataclass
+class StashStats:
+    """Statistics of the current step (``reset()`` clears the per-step counters)."""
+
+    mode: StashMode
+    stashes: int
+    pops: int
+    bytes_stashed: int
+    tensors_spilled: int
+    overflow: bool
+    host_spill: bool
+    pool_pages: dict[str, int]
+    host_pool_pages: dict[str, int]
+    pages_high_water: dict[str, int]
+    host_pages_high_water: dict[str, int]
+    pool_bytes: int
+    host_pool_bytes: int
+    capture_peak_rows: dict[str, int]
+    capture_peak_balanced_rows: dict[str, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scope:
+    max_num_tokens: int
+    num_tokens: torch.Tensor
+    avg_num_tokens: int
+
+
+class _Captured:
+    """Capture-step stand-in for a paged tensor: the actual rows, exactly sized."""
+
+    __slots__ = ("balanced", "dtype", "key", "max_rows", "reloaded", "rows", "rows_RH", "shape")
+
+    def __init__(self, **kw: object) -> None:
+        self.reloaded: torch.Tensor | None = None
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+
+class _Paged:
+    """Handle autograd keeps instead of a paged tensor; reloads it once, on first unpack."""
+
+    __slots__ = ("buffer", "dtype", "max_rows", "meta", "pages_M", "reloaded", "shape")
+
+    def __init__(self, **kw: object) -> None:
+        self.reloaded: torch.Tensor | None = None
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+
+class PagedStashManager:
+    """Owns the page pools of one model, the shared device flags and the statistics."""
+
+    def __init__(
+        self,
+        *,
+        page_size: int = 64,
+        buffer_size_factor_cuda: float = 1.10,
+        buffer_size_factor_cpu: float = 0.0,
+        device: torch.device | str = "cpu",
+        kernel_backend: KernelBackend | str = KernelBackend.AUTO,
+        zero_padding: bool = True,
+    ) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        for name, value in (("cuda", buffer_size_factor_cuda), ("cpu", buffer_size_factor_cpu)):
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"buffer_size_factor_{name} must be finite and >= 0, got {value}")
+        if buffer_size_factor_cuda == 0:
+            raise ValueError(
+                "buffer_size_factor_cuda must be > 0: with no device pages every "
+                "stash would spill or overflow"
+            )
+        self.page_size = page_size
+        self.buffer_size_factor_cuda = buffer_size_factor_cuda
+        self.buffer_size_factor_cpu = buffer_size_factor_cpu
+        self.device = torch.device(device)
+        self.backend = resolve_backend(kernel_backend, self.device)
+        self.zero_padding = zero_padding
+        #: When False, scopes install no hooks (the runner's dropless fallback).
+        self.enabled = True
+        self.mode = StashMode.CAPTURE
+        self.flags = torch.zeros(FLAGS_LEN, dtype=torch.int64, device=self.device)
+        self.buffers: dict[StashKey, PagedStashBuffer] = {}
+        self._peaks: dict[StashKey, _Peak] = {}
+        self._scope: _Scope | None = None
+        self._stashes = 0
+        self._pops = 0
+        self._capture_bytes = 0
+
+    @classmethod
+    def from_config(cls, config: object, device: torch.device | str = "cpu") -> PagedStashManager:
+        """Build from an :class:`~te_paged.config.MoEConfig` (or anything with its fields)."""
+        return cls(
+            page_size=config.moe_paged_stash_page_size,
+            buffer_size_factor_cuda=config.moe_paged_stash_buffer_size_factor_cuda,
+            buffer_size_factor_cpu=config.moe_paged_stash_buffer_size_factor_cpu,
+            device=device,
+            kernel_backend=config.moe_paged_stash_kernel_backend,
+        )
+
+    # ----------------------------------------------------------------------------- lifecycle
+
+    def reset(self) -> None:
+        """Step boundary. After a capture step this allocates the pools (once); otherwise it
+        returns every page and clears flags and counters in place, allocating nothing."""
+        if self._scope is not None:
+            raise RuntimeError("PagedStashManager.reset() called inside an open scope")
+        if self.mode is StashMode.CAPTURE and self._peaks:
+            self.mode = StashMode.CAPTURED
+        if self.mode is StashMode.CAPTURED and len(self.buffers) < len(self._peaks):
+            self._allocate()
+        for buffer in self.buffers.values():
+            buffer.reset()
+        self.flags.zero_()
+        self._stashes = self._pops = self._capture_bytes = 0
+        for peak in self._peaks.values():
+            peak.live_rows = peak.live_balanced = 0
+
+    def release(self) -> None:
+        """Free every pool (e.g. before a dropless rerun); the next ``reset()`` reallocates them
+        from the captured peaks."""
+        self.buffers.clear()
+
+    def pool_pages_for(self, key: StashKey) -> tuple[int, int]:
+        """``(device pages, host pages)`` the pool of ``key`` gets from the captured peak."""
+        peak = self._peaks[key].peak_balanced
+        dev = max(1, math.ceil(self.buffer_size_factor_cuda * peak / self.page_size))
+        host = math.ceil(self.buffer_size_factor_cpu * peak / self.page_size)
+        return dev, host
+
+    def _allocate(self) -> None:
+        for key in self._peaks:
+            if key not in self.buffers:
+                dev, host = self.pool_pages_for(key)
+                self.buffers[key] = PagedStashBuffer(key, dev, self.page_size, self.device, host)
+
+    # ---------------------------------------------------------------------------------- scope
+
+    @contextlib.contextmanager
+    def scope(
+        self, max_num_tokens: int, num_tokens: torch.Tensor, avg_num_tokens: int
+    ) -> Iterator[None]:
+        """Page the marked tensors autograd saves inside this block.
+
+        ``max_num_tokens`` is the static row count of the expert buffers, ``num_tokens`` a
+        device tensor holding the actual count (a prefix), ``avg_num_tokens`` the balanced-case
+        estimate used to size the pools.
+        """
+        if not self.enabled:
+            yield
+            return
+        if self._scope is not None:
+            raise RuntimeError("paged-stash scopes do not nest: one scope per expert group")
+        if not isinstance(num_tokens, torch.Tensor) or num_tokens.numel() != 1:
+            raise TypeError("num_tokens must be a one-element integer tensor on the device")
+        if num_tokens.dtype.is_floating_point or num_tokens.dtype == torch.bool:
+            raise TypeError(f"num_tokens must be an integer tensor, got {num_tokens.dtype}")
+        if max_num_tokens < 1 or not 0 <= avg_num_tokens:
+            raise ValueError(
+                f"scope needs max_num_tokens >= 1 and avg_num_tokens >= 0, got "
+                f"{max_num_tokens} and {avg_num_tokens}"
+            )
+        self._scope = _Scope(max_num_tokens, num_tokens.reshape(1), avg_num_tokens)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self._scope = None
+
+    def _layout(self, t: torch.Tensor, kind: MarkerKind, scope: _Scope) -> tuple[StashKey, int]:
+        per_row = kind.tokens_per_row
+        if scope.max_num_tokens % per_row:
+            raise ValueError(
+                f"an MXFP8 scale-inverse has one row per {per_row} tokens, but "
+                f"max_num_tokens={scope.max_num_tokens} is not a multiple of {per_row}: "
+                f"pad the budget to a multiple of {per_row}"
+            )
+        max_rows = scope.max_num_tokens // per_row
+        if t.numel() % max_rows:
+            raise ValueError(
+                f"marked saved tensor of shape {tuple(t.shape)} ({t.numel()} elements) is not "
+                f"{max_rows} token rows (max_num_tokens={scope.max_num_tokens}, "
+                f"{per_row} token(s) per row): only token-major [max_num_tokens, ...] tensors "
+                "may be marked"
+            )
+        return StashKey(t.dtype, t.numel() // max_rows), max_rows
+
+    def _pack(self, t: torch.Tensor) -> object:
+        scope = self._scope
+        kind = grouped_tensor_marker(t)
+        if scope is None or kind is None or t.dim() == 0 or t.numel() == 0:
+            return t
+        if is_checkpoint_without_output_tensor(t):
+            return t  # recompute owns this storage (and every view of it)
+        if t.device != scope.num_tokens.device:
+            raise RuntimeError(
+                f"saved tensor on {t.device} but the scope's num_tokens is on "
+                f"{scope.num_tokens.device}"
+            )
+        key, max_rows = self._layout(t, kind, scope)
+        rows_RH = t.contiguous().view(max_rows, key.hidden).view(storage_dtype(t.dtype))
+        self._stashes += 1
+        if self.mode is StashMode.CAPTURE:
+            return self._capture_pack(t, key, kind, max_rows, rows_RH, scope)
+        buffer = self.buffers.get(key)
+        if buffer is None:
+            raise RuntimeError(
+                f"saved tensor with key {key} was not seen during the capture step; known keys: "
+                f"{sorted(map(str, self.buffers))}. Call release() and run a capture step again."
+            )
+        pages_M = torch.empty(-(-max_rows // self.page_size), dtype=torch.int32, device=t.device)
+        meta = torch.empty(META_LEN, dtype=torch.int64, device=t.device)
+        stash_copy(
+            self.backend,
+            rows_RH,
+            scope.num_tokens,
+            kind.tokens_per_row,
+            self.page_size,
+            *buffer.kernel_args(),
+            self.flags,
+            pages_M,
+            meta,
+        )
+        return _Paged(
+            buffer=buffer,
+            max_rows=max_rows,
+            pages_M=pages_M,
+            meta=meta,
+            shape=t.shape,
+            dtype=t.dtype,
+        )
+
+    def _capture_pack(
+        self,
+        t: torch.Tensor,
+        key: StashKey,
+        kind: MarkerKind,
+        max_rows: int,
+        rows_RH: torch.Tensor,
+        scope: _Scope,
+    ) -> object:
+        n = int(scope.num_tokens.item())  # the capture step may read counts on the host
+        rows = -(-n // kind.tokens_per_row)
+        if n < 0 or rows > max_rows:
+            self.flags[Flag.OVERFLOW] += 1
+            rows = max_rows
+        self._capture_bytes += rows * key.hidden * rows_RH.element_size()
+        balanced = min(max_rows, -(-scope.avg_num_tokens // kind.tokens_per_row))
+        peak = self._peaks.setdefault(key, _Peak())
+        peak.live_rows += rows
+        peak.live_balanced += balanced
+        peak.peak_rows = max(peak.peak_rows, peak.live_rows)
+        peak.peak_balanced = max(peak.peak_balanced, peak.live_balanced)
+        return _Captured(
+            key=key,
+            max_rows=max_rows,
+            rows=rows,
+            rows_RH=rows_RH[:rows].clone(),
+            shape=t.shape,
+            dtype=t.dtype,
+            balanced=balanced,
+        )
+
+    def _unpack(self, handle: object) -> torch.Tensor:
+        if isinstance(handle, _Paged):
+            if handle.reloaded is None:
+                buffer = handle.buffer
+                out_RH = torch.empty(
+                    handle.max_rows,
+                    buffer.key.hidden,
+                    dtype=buffer.pool_NH.dtype,
+                    device=buffer.device,
+                )
+                stash_pop(
+                    self.backend,
+                    out_RH,
+                    self.page_size,
+                    *buffer.kernel_args(),
+                    self.flags,
+                    handle.pages_M,
+                    handle.meta,
+                    self.zero_padding,
+                )
+                handle.reloaded = out_RH.view(handle.dtype).view(handle.shape)
+                self._pops += 1
+            return handle.reloaded
+        if isinstance(handle, _Captured):
+            if handle.reloaded is None:
+                out_RH = torch.empty(
+                    handle.max_rows,
+                    handle.key.hidden,
+                    dtype=handle.rows_RH.dtype,
+                    device=handle.rows_RH.device,
+                )
+                out_RH[: handle.rows].copy_(handle.rows_RH)
+                if self.zero_padding:
+                    out_RH[handle.rows :].zero_()
+                peak = self._peaks[handle.key]
+                peak.live_rows -= handle.rows
+                peak.live_balanced -= handle.balanced
+                handle.rows_RH = None
+                handle.reloaded = out_RH.view(handle.dtype).view(handle.shape)
+                self._pops += 1
+            return handle.reloaded
+        return handle
+
+    # ------------------------------------------------------------------------------ reporting
+
+    def stats(self) -> StashStats:
+        """Read the step's statistics (one device→host copy per pool; not for the hot path)."""
+        flags = self.flags.tolist()
+        pool_pages, host_pages, hwm, host_hwm = {}, {}, {}, {}
+        bytes_stashed, spilled = self._capture_bytes, 0
+        for key, buf in self.buffers.items():
+            state = buf.state.tolist()
+            name = str(key)
+            pool_pages[name], host_pages[name] = buf.num_pages, buf.host_num_pages
+            hwm[name], host_hwm[name] = state[State.HWM], state[State.HOST_HWM]
+            bytes_stashed += state[State.ROWS_STASHED] * key.hidden * buf.pool_NH.element_size()
+            spilled += state[State.SPILLED]
+        return StashStats(
+            mode=self.mode,
+            stashes=self._stashes,
+            pops=self._pops,
+            bytes_stashed=bytes_stashed,
+            tensors_spilled=spilled,
+            overflow=flags[Flag.OVERFLOW] > 0,
+            host_spill=flags[Flag.HOST_SPILL] > 0,
+            pool_pages=pool_pages,
+            host_pool_pages=host_pages,
+            pages_high_water=hwm,
+            host_pages_high_water=host_hwm,
+            pool_bytes=sum(b.pool_bytes for b in self.buffers.values()),
+            host_pool_bytes=sum(b.host_pool_bytes for b in self.buffers.values()),
+            capture_peak_rows={str(k): p.peak_rows for k, p in self._peaks.items()},
+            capture_peak_balanced_rows={str(k): p.peak_balanced for k, p in self._peaks.items()},
+        )

@@ -1,0 +1,8 @@
+"""Test-session setup shared by every test directory."""
+
+import os
+
+# Triton reads this when its @triton.jit decorators run, i.e. when te_paged.kernels.triton_stash
+# is first imported, so it must be set before any test module imports it. CPU runs interpret the
+# kernels; GPU runs export TRITON_INTERPRET=0 to compile them.
+os.environ.setdefault("TRITON_INTERPRET", "1")

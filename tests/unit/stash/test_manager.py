@@ -1,0 +1,272 @@
+"""The manager's scope: what is paged, what passes through, sizing, lifecycle and parity."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import ClassVar
+
+import pytest
+import torch
+
+from te_paged import (
+    PagedStashManager,
+    StashMode,
+    mark_grouped_tensor,
+    mark_recompute_managed,
+)
+from te_paged.config import MoEConfig
+
+
+class MarkedLinear(torch.autograd.Function):
+    """``y = x @ wᵀ`` that marks its saved input, like GroupedLinear does."""
+
+    @staticmethod
+    def forward(ctx, x, w, mark: bool = True):
+        if mark:
+            mark_grouped_tensor(x)
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g @ w, g.t() @ x, None
+
+
+class Keep(torch.autograd.Function):
+    """Saves its input as is; backward hands back what autograd gave it."""
+
+    seen: ClassVar[list[torch.Tensor]] = []
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        Keep.seen.append(x)
+        return g
+
+
+def run_model(manager: PagedStashManager | None, step: int, rows=40, hidden=16, layers=3):
+    torch.manual_seed(step)
+    n = 17 + 5 * step
+    x = torch.randn(rows, hidden)
+    # padding rows hold stale values; the stash reloads them as zeros, which must not matter
+    x.requires_grad_()
+    ws = [torch.randn(hidden, hidden, requires_grad=True) for _ in range(layers)]
+    num_tokens = torch.tensor(n)
+    mask = (torch.arange(rows) < n)[:, None]
+    h = x
+    for w in ws:
+        cm = manager.scope(rows, num_tokens, 20) if manager else contextlib.nullcontext()
+        with cm:
+            h = torch.where(mask, torch.tanh(MarkedLinear.apply(h, w)), 0.0)
+    h.sum().backward()
+    return [h.detach(), x.grad[:n], *(w.grad for w in ws)]
+
+
+def test_gradients_bitwise_identical_with_and_without_stash() -> None:
+    manager = PagedStashManager(page_size=8, buffer_size_factor_cuda=1.5)
+    for step in range(3):
+        manager.reset()
+        on = run_model(manager, step)
+        off = run_model(None, step)
+        assert all(torch.equal(a, b) for a, b in zip(on, off)), f"step {step}"
+        stats = manager.stats()
+        assert stats.stashes == stats.pops == 3
+        assert not stats.overflow
+        assert stats.mode is (StashMode.CAPTURE if step == 0 else StashMode.CAPTURED)
+        if step:
+            assert max(stats.pages_high_water.values()) > 0
+
+
+def test_capture_learns_peaks_and_next_reset_allocates_once() -> None:
+    manager = PagedStashManager(page_size=8, buffer_size_factor_cuda=1.5)
+    run_model(manager, 0)
+    stats = manager.stats()
+    # three layers live at once: 3 x 17 actual rows, 3 x 20 balanced rows
+    assert stats.capture_peak_rows == {"float32x16": 51}
+    assert stats.capture_peak_balanced_rows == {"float32x16": 60}
+    assert manager.buffers == {}
+    manager.reset()
+    (buffer,) = manager.buffers.values()
+    assert buffer.num_pages == math.ceil(1.5 * 60 / 8) == 12
+    ptr = buffer.pool_NH.data_ptr()
+    for step in (1, 2):
+        run_model(manager, step)
+        manager.reset()
+        assert manager.buffers[buffer.key] is buffer and buffer.pool_NH.data_ptr() == ptr
+
+
+def test_capture_step_holds_only_actual_rows() -> None:
+    manager = PagedStashManager(page_size=8)
+    run_model(manager, 0)
+    assert manager.stats().bytes_stashed == 3 * 17 * 16 * 4  # 3 layers x 17 rows, not 40
+
+
+def test_unmarked_tensors_pass_through_untouched() -> None:
+    manager = PagedStashManager(page_size=4)
+    x = torch.randn(8, 4, requires_grad=True)
+    y = x * 2  # non-leaf, requires grad
+    Keep.seen.clear()
+    with manager.scope(8, torch.tensor(3), 4):
+        out = Keep.apply(y)
+    out.sum().backward()
+    # the same memory (not copied) and the same autograd history (not detached)
+    assert Keep.seen[0].data_ptr() == y.data_ptr() and Keep.seen[0].grad_fn is y.grad_fn
+    assert manager.stats().stashes == 0
+
+
+def test_recompute_managed_views_are_left_alone() -> None:
+    # GroupedLinear reshapes/splits its input before saving: the marker must be storage-level.
+    manager = PagedStashManager(page_size=4)
+    act = torch.randn(8, 6)
+    mark_recompute_managed(act)
+    view = act.reshape(16, 3)
+    mark_grouped_tensor(view)  # producer marked it, but recompute owns the storage
+    Keep.seen.clear()
+    with manager.scope(16, torch.tensor(5), 8):
+        out = Keep.apply(view.requires_grad_())
+    out.sum().backward()
+    assert Keep.seen[0].data_ptr() == view.data_ptr()
+    assert manager.stats().stashes == 0
+
+
+def test_non_divisible_numel_is_a_clear_error() -> None:
+    manager = PagedStashManager(page_size=4)
+    t = torch.randn(7, 3, requires_grad=True)
+    mark_grouped_tensor(t)
+    with manager.scope(8, torch.tensor(2), 4), pytest.raises(ValueError, match="21 elements"):
+        Keep.apply(t)
+
+
+def test_scale_inverse_needs_a_budget_multiple_of_32() -> None:
+    manager = PagedStashManager(page_size=4)
+    s = torch.randn(2, 3, requires_grad=True)
+    mark_grouped_tensor(s, scale_inv=True)
+    with manager.scope(48, torch.tensor(2), 4), pytest.raises(ValueError, match="multiple of 32"):
+        Keep.apply(s)
+
+
+def test_scale_inverse_is_paged_with_rows_over_32() -> None:
+    manager = PagedStashManager(page_size=2)
+    for step in range(2):
+        manager.reset()
+        s = torch.randn(4, 3, requires_grad=True)  # 128 tokens -> 4 scale rows
+        mark_grouped_tensor(s, scale_inv=True)
+        Keep.seen.clear()
+        with manager.scope(128, torch.tensor(70), 64):
+            out = Keep.apply(s)
+        out.sum().backward()
+        assert torch.equal(Keep.seen[0][:3], s.detach()[:3]) and not Keep.seen[0][3:].any()
+        assert manager.stats().bytes_stashed == 3 * 3 * 4, step
+    assert manager.stats().capture_peak_balanced_rows == {"float32x3": 2}
+
+
+def test_key_not_seen_in_capture_is_a_lifecycle_error() -> None:
+    manager = PagedStashManager(page_size=4)
+    run_model(manager, 0)
+    manager.reset()
+    t = torch.randn(8, 5, requires_grad=True)
+    mark_grouped_tensor(t)
+    with manager.scope(8, torch.tensor(2), 4), pytest.raises(RuntimeError, match="capture"):
+        Keep.apply(t)
+
+
+def test_scopes_do_not_nest_and_reset_outside_scope_only() -> None:
+    manager = PagedStashManager(page_size=4)
+    with manager.scope(8, torch.tensor(2), 4):
+        with pytest.raises(RuntimeError, match="nest"), manager.scope(8, torch.tensor(2), 4):
+            pass
+        with pytest.raises(RuntimeError, match="inside an open scope"):
+            manager.reset()
+
+
+def test_scope_validates_its_arguments() -> None:
+    manager = PagedStashManager(page_size=4)
+    with pytest.raises(TypeError, match="one-element integer tensor"), manager.scope(8, 3, 4):
+        pass
+    bad = torch.tensor(2.0)
+    with pytest.raises(TypeError, match="integer tensor"), manager.scope(8, bad, 4):
+        pass
+
+
+def test_too_small_pool_overflows_without_crashing() -> None:
+    manager = PagedStashManager(page_size=8, buffer_size_factor_cuda=0.2)
+    run_model(manager, 0)
+    manager.reset()
+    run_model(manager, 1)  # runs to the end; results are invalid and flagged
+    stats = manager.stats()
+    assert stats.overflow and stats.stashes == stats.pops == 3
+
+
+def test_host_tier_takes_what_the_device_pool_cannot() -> None:
+    manager = PagedStashManager(page_size=8, buffer_size_factor_cuda=0.2, buffer_size_factor_cpu=2)
+    run_model(manager, 0)
+    for step in (1, 2):
+        manager.reset()
+        on, off = run_model(manager, step), run_model(None, step)
+        assert all(torch.equal(a, b) for a, b in zip(on, off))
+        stats = manager.stats()
+        assert stats.host_spill and not stats.overflow and stats.tensors_spilled >= 1
+
+
+def test_over_budget_tokens_set_overflow_in_both_modes() -> None:
+    manager = PagedStashManager(page_size=4)
+    for _ in range(2):
+        manager.reset()
+        t = torch.randn(8, 2, requires_grad=True)
+        mark_grouped_tensor(t)
+        with manager.scope(8, torch.tensor(9), 4):
+            out = Keep.apply(t)
+        out.sum().backward()
+        assert manager.stats().overflow
+
+
+def test_disabled_manager_installs_no_hooks() -> None:
+    manager = PagedStashManager(page_size=4)
+    manager.enabled = False
+    run_model(manager, 0)
+    assert manager.stats().stashes == 0
+
+
+def test_release_frees_pools_and_reset_reallocates() -> None:
+    manager = PagedStashManager(page_size=8)
+    run_model(manager, 0)
+    manager.reset()
+    assert manager.stats().pool_bytes > 0
+    manager.release()
+    assert manager.stats().pool_bytes == 0
+    manager.reset()
+    assert manager.stats().pool_bytes > 0
+    run_model(manager, 1)
+    assert not manager.stats().overflow
+
+
+def test_from_config() -> None:
+    cfg = MoEConfig(
+        moe_paged_stash=True,
+        moe_expert_rank_capacity_factor=1.5,
+        moe_paged_stash_page_size=16,
+        moe_paged_stash_buffer_size_factor_cpu=0.5,
+    )
+    m = PagedStashManager.from_config(cfg)
+    assert (m.page_size, m.buffer_size_factor_cuda, m.buffer_size_factor_cpu) == (16, 1.1, 0.5)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"page_size": 0}, "page_size"),
+        ({"buffer_size_factor_cuda": 0.0}, "buffer_size_factor_cuda must be > 0"),
+        ({"buffer_size_factor_cpu": -1.0}, "buffer_size_factor_cpu"),
+        ({"buffer_size_factor_cuda": float("nan")}, "finite"),
+    ],
+)
+def test_manager_rejects_bad_arguments(kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        PagedStashManager(**kwargs)
