@@ -140,6 +140,7 @@ class MoEConfig:
     offload_modules: list[str] = field(default_factory=list)
     # Precision, parallelism, kernels.
     fp8: str | None = None
+    activation_func_fp8_input_store: bool = False  # store the activation's saved input as FP8
     params_dtype: torch.dtype = torch.float32
     expert_model_parallel_size: int = 1
     moe_paged_stash_kernel_backend: str = "auto"
@@ -294,6 +295,11 @@ class MoEConfig:
                     f"recompute_modules contains unknown module {module!r}; "
                     f"allowed: {_allowed(RecomputeModule)}"
                 )
+        if self.activation_func_fp8_input_store and self.fp8 is None:
+            problems.append(
+                "activation_func_fp8_input_store=True needs an FP8 recipe: set fp8 to "
+                f"one of {_allowed(Fp8Recipe)} or leave the store off"
+            )
         if self.params_dtype not in PARAMS_DTYPES:
             problems.append(
                 f"params_dtype={self.params_dtype!r} is not a supported floating dtype; "

@@ -53,6 +53,10 @@ def _move_rows(
             buf_RH[r0 : r0 + n].copy_(pool_NH[p0 : p0 + n])
 
 
+def _slots(start: int, count: int, size: int) -> torch.Tensor:
+    return torch.arange(start, start + count).remainder_(max(size, 1))
+
+
 def torch_stash_copy(
     src_RH: torch.Tensor,
     num_tokens: torch.Tensor,
@@ -74,43 +78,45 @@ def torch_stash_copy(
     overflow too. After an overflow this is a no-op. ``rec_pages_M``/``rec_meta`` receive the
     record :func:`torch_stash_pop` needs.
     """
-    rec_meta.zero_()
-    if int(flags[Flag.OVERFLOW]) != 0:
+    meta = [0] * len(Meta)
+    meta[Meta.TIER] = int(Tier.NONE)
+    fl = flags.tolist()
+    if fl[Flag.OVERFLOW] != 0:
+        rec_meta.copy_(torch.tensor(meta))
         return
     n = int(num_tokens.reshape(-1)[0])
     rows = -(-n // tokens_per_row)
-    if n < 0 or rows > src_RH.shape[0]:
-        flags[Flag.OVERFLOW] += 1
-        return
     need = -(-rows // page_size)
-
-    head, tail = int(state[State.HEAD]), int(state[State.TAIL])
-    host_head, host_tail = int(state[State.HOST_HEAD]), int(state[State.HOST_TAIL])
-    if need <= tail - head:
-        tier, free, pool = Tier.DEVICE, dev_free_P, dev_pool_NH
-        slots = [(head + i) % free.numel() for i in range(need)]
-        state[State.HEAD] = head + need
-        in_use = free.numel() - (tail - head - need)
-        state[State.HWM] = max(int(state[State.HWM]), in_use)
-    elif need <= host_tail - host_head:
-        tier, free, pool = Tier.HOST, host_free_P, host_pool_NH
-        slots = [(host_head + i) % free.numel() for i in range(need)]
-        state[State.HOST_HEAD] = host_head + need
-        in_use = free.numel() - (host_tail - host_head - need)
-        state[State.HOST_HWM] = max(int(state[State.HOST_HWM]), in_use)
-        state[State.SPILLED] += 1
-        flags[Flag.HOST_SPILL] += 1
+    st = state.tolist()
+    if n < 0 or rows > src_RH.shape[0]:
+        fl[Flag.OVERFLOW] += 1
+        tier = Tier.NONE
+    elif need <= st[State.TAIL] - st[State.HEAD]:
+        tier, free, pool, head_i, tail_i, hwm_i = (
+            Tier.DEVICE, dev_free_P, dev_pool_NH, State.HEAD, State.TAIL, State.HWM
+        )  # fmt: skip
+    elif need <= st[State.HOST_TAIL] - st[State.HOST_HEAD]:
+        tier, free, pool, head_i, tail_i, hwm_i = (
+            Tier.HOST, host_free_P, host_pool_NH, State.HOST_HEAD, State.HOST_TAIL, State.HOST_HWM
+        )  # fmt: skip
+        st[State.SPILLED] += 1
+        fl[Flag.HOST_SPILL] += 1
     else:
-        flags[Flag.OVERFLOW] += 1
-        return
+        fl[Flag.OVERFLOW] += 1
+        tier = Tier.NONE
 
-    pages = [int(free[s]) for s in slots]
-    if need:
-        rec_pages_M[:need].copy_(torch.tensor(pages, dtype=rec_pages_M.dtype))
-    _move_rows(rows, page_size, pages, pool, src_RH, to_pool=True)
-    state[State.ROWS_STASHED] += rows
-    rec_meta[Meta.ROWS] = rows
-    rec_meta[Meta.TIER] = int(tier)
+    if tier is not Tier.NONE:
+        pages_t = free[_slots(st[head_i], need, free.numel()).to(free.device)]
+        st[head_i] += need
+        in_use = free.numel() - (st[tail_i] - st[head_i])
+        st[hwm_i] = max(st[hwm_i], in_use)
+        st[State.ROWS_STASHED] += rows
+        rec_pages_M[:need].copy_(pages_t)
+        _move_rows(rows, page_size, pages_t.tolist(), pool, src_RH, to_pool=True)
+        meta[Meta.ROWS], meta[Meta.TIER] = rows, int(tier)
+        state.copy_(torch.tensor(st))
+    flags.copy_(torch.tensor(fl))
+    rec_meta.copy_(torch.tensor(meta))
 
 
 def torch_stash_pop(
@@ -133,20 +139,21 @@ def torch_stash_pop(
     untouched and no row is read (all of ``dst_RH`` is padding).
     """
     overflowed = int(flags[Flag.OVERFLOW]) != 0
-    tier = Tier(int(rec_meta[Meta.TIER]))
-    rows = 0 if overflowed or tier is Tier.NONE else int(rec_meta[Meta.ROWS])
+    meta = rec_meta.tolist()
+    rows, tier = meta[Meta.ROWS], Tier(meta[Meta.TIER])
+    if overflowed or tier is Tier.NONE:
+        rows = 0
     if zero_padding:
         dst_RH[rows:].zero_()
     if overflowed or tier is Tier.NONE:
         return
     need = -(-rows // page_size)
-    pages = [int(p) for p in rec_pages_M[:need]]
+    pages_t = rec_pages_M[:need]
     if tier is Tier.DEVICE:
-        pool, free, tail_idx = dev_pool_NH, dev_free_P, State.TAIL
+        pool, free, tail_i = dev_pool_NH, dev_free_P, State.TAIL
     else:
-        pool, free, tail_idx = host_pool_NH, host_free_P, State.HOST_TAIL
-    _move_rows(rows, page_size, pages, pool, dst_RH, to_pool=False)
-    tail = int(state[tail_idx])
-    for i, page in enumerate(pages):
-        free[(tail + i) % free.numel()] = page
-    state[tail_idx] = tail + need
+        pool, free, tail_i = host_pool_NH, host_free_P, State.HOST_TAIL
+    _move_rows(rows, page_size, pages_t.tolist(), pool, dst_RH, to_pool=False)
+    tail = int(state[tail_i])
+    free[_slots(tail, need, free.numel()).to(free.device)] = pages_t.to(free.dtype)
+    state[tail_i] = tail + need

@@ -15,7 +15,8 @@ Lifecycle (one manager per model, shared by all its MoE layers; never a process-
   read on the host) and restored in backward; the manager learns each (dtype, hidden) key and
   the peak of concurrently live rows, actual and balanced-case.
 * **captured** (later steps): the first ``reset()`` after capture allocates one pool per key of
-  ``ceil(factor × peak balanced rows / page_size)`` pages (and a host tier with the CPU factor);
+  ``ceil(factor × peak balanced pages)`` pages (balanced rows of each live tensor rounded up to
+  whole pages) (and a host tier with the CPU factor);
   stash and pop then run the kernels, which read counts on the device.
 """
 
@@ -52,6 +53,8 @@ class _Peak:
     peak_rows: int = 0
     live_balanced: int = 0
     peak_balanced: int = 0
+    live_balanced_pages: int = 0
+    peak_balanced_pages: int = 0
 
 
 @dataclasses.dataclass
@@ -73,6 +76,7 @@ class StashStats:
     host_pool_bytes: int
     capture_peak_rows: dict[str, int]
     capture_peak_balanced_rows: dict[str, int]
+    capture_peak_balanced_pages: dict[str, int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,7 +175,7 @@ class PagedStashManager:
         self.flags.zero_()
         self._stashes = self._pops = self._capture_bytes = 0
         for peak in self._peaks.values():
-            peak.live_rows = peak.live_balanced = 0
+            peak.live_rows = peak.live_balanced = peak.live_balanced_pages = 0
 
     def release(self) -> None:
         """Free every pool (e.g. before a dropless rerun); the next ``reset()`` reallocates them
@@ -179,10 +183,15 @@ class PagedStashManager:
         self.buffers.clear()
 
     def pool_pages_for(self, key: StashKey) -> tuple[int, int]:
-        """``(device pages, host pages)`` the pool of ``key`` gets from the captured peak."""
-        peak = self._peaks[key].peak_balanced
-        dev = max(1, math.ceil(self.buffer_size_factor_cuda * peak / self.page_size))
-        host = math.ceil(self.buffer_size_factor_cpu * peak / self.page_size)
+        """``(device pages, host pages)`` the pool of ``key`` gets from the captured peak.
+
+        The peak is counted in pages (each live tensor's balanced rows rounded up to whole
+        pages), not rows: a tensor always occupies whole pages, so a rows-based size
+        undercounts whenever tensors are small against the page size.
+        """
+        peak = self._peaks[key].peak_balanced_pages
+        dev = max(1, math.ceil(self.buffer_size_factor_cuda * peak))
+        host = math.ceil(self.buffer_size_factor_cpu * peak)
         return dev, host
 
     def _allocate(self) -> None:
@@ -306,8 +315,10 @@ class PagedStashManager:
         peak = self._peaks.setdefault(key, _Peak())
         peak.live_rows += rows
         peak.live_balanced += balanced
+        peak.live_balanced_pages += -(-balanced // self.page_size)
         peak.peak_rows = max(peak.peak_rows, peak.live_rows)
         peak.peak_balanced = max(peak.peak_balanced, peak.live_balanced)
+        peak.peak_balanced_pages = max(peak.peak_balanced_pages, peak.live_balanced_pages)
         return _Captured(
             key=key,
             max_rows=max_rows,
@@ -355,6 +366,7 @@ class PagedStashManager:
                 peak = self._peaks[handle.key]
                 peak.live_rows -= handle.rows
                 peak.live_balanced -= handle.balanced
+                peak.live_balanced_pages -= -(-handle.balanced // self.page_size)
                 handle.rows_RH = None
                 handle.reloaded = out_RH.view(handle.dtype).view(handle.shape)
                 self._pops += 1
@@ -391,4 +403,7 @@ class PagedStashManager:
             host_pool_bytes=sum(b.host_pool_bytes for b in self.buffers.values()),
             capture_peak_rows={str(k): p.peak_rows for k, p in self._peaks.items()},
             capture_peak_balanced_rows={str(k): p.peak_balanced for k, p in self._peaks.items()},
+            capture_peak_balanced_pages={
+                str(k): p.peak_balanced_pages for k, p in self._peaks.items()
+            },
         )

@@ -53,6 +53,7 @@ def test_defaults() -> None:
         "cpu_offloading": False,
         "offload_modules": [],
         "fp8": None,
+        "activation_func_fp8_input_store": False,
         "params_dtype": torch.float32,
         "expert_model_parallel_size": 1,
         "moe_paged_stash_kernel_backend": "auto",
@@ -475,3 +476,9 @@ def test_budgets_need_capacity_factor_and_valid_counts() -> None:
         cfg.max_num_tokens(-1)
     with pytest.raises(ValueError, match=r"max_num_tokens must be a non-negative int; got 2\.5"):
         cfg.avg_num_tokens(2.5)  # type: ignore[arg-type]
+
+
+def test_activation_fp8_input_store_needs_an_fp8_recipe() -> None:
+    with pytest.raises(ValueError, match="activation_func_fp8_input_store=True needs an FP8"):
+        MoEConfig(activation_func_fp8_input_store=True)
+    assert MoEConfig(fp8="tensorwise", activation_func_fp8_input_store=True).fp8 == "tensorwise"

@@ -94,7 +94,7 @@ def test_capture_learns_peaks_and_next_reset_allocates_once() -> None:
     assert manager.buffers == {}
     manager.reset()
     (buffer,) = manager.buffers.values()
-    assert buffer.num_pages == math.ceil(1.5 * 60 / 8) == 12
+    assert buffer.num_pages == math.ceil(1.5 * 3 * math.ceil(20 / 8)) == 14
     ptr = buffer.pool_NH.data_ptr()
     for step in (1, 2):
         run_model(manager, step)
