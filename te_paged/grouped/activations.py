@@ -1,0 +1,265 @@
+"""Fused probability-weighted GLU activations for the expert MLP (SwiGLU, QuickGeGLU).
+
+Shape suffixes: ``R`` rows (tokens of the static expert buffer, actual rows a prefix), ``F`` FFN
+width (output columns), ``C = 2F`` input columns: the gate is ``x[:, :F]``, the up/linear half
+``x[:, F:]`` (Transformer Engine's layout; an interleaved GLU is de-interleaved by the caller).
+
+Numerics: 16- and 32-bit inputs are computed in float32 and the result cast to the input dtype,
+in forward and backward alike (float64 inputs compute in float64, which lets gradcheck run).
+Backward recomputes the activation from the saved input instead of saving it.
+
+Paged stash: the tensors these functions save are exactly the ones marked. Whether to mark is
+the caller's ``paged_stash`` argument (driven by ``config.moe_paged_stash``), never inferred from
+an attribute on an operand: a recompute wrapper hands in detached inputs that carry no attribute,
+and inferring would silently disable the stash there (the review finding on the prior art). With
+``paged_stash=False`` an existing producer marker on ``x``/``probs`` is still carried across the
+internal view and FP8 cast, so a marked producer output stays marked.
+
+FP8 input store (``fp8_input_store``): the saved input is :func:`~te_paged.grouped.fp8.quantize`-d
+and backward dequantises it. The forward output is computed from the *dequantised* input too:
+the function computed, and differentiated, is exactly ``f(dequantize(quantize(x)))`` (dequantised
+to ``x``'s dtype), so forward and backward agree (Transformer Engine's
+``cache_quantized_input`` computes forward from the high-precision input instead; we trade that
+small forward accuracy for gradients that are exact for the output actually produced).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from te_paged.grouped.fp8 import Fp8Recipe, Fp8Tensor, dequantize, mark_fp8_saved, quantize
+from te_paged.markers import (
+    is_grouped_tensor_marked,
+    mark_grouped_tensor,
+    propagate_paged_stash_marker,
+)
+
+__all__ = ["QUICK_GELU_ALPHA", "weighted_quick_geglu", "weighted_swiglu"]
+
+#: ``quick_gelu(g) = g · σ(1.702 g)``.
+QUICK_GELU_ALPHA = 1.702
+
+
+def _mark(paged_stash: bool, source: torch.Tensor, target: torch.Tensor) -> None:
+    if paged_stash:
+        mark_grouped_tensor(target)
+    else:
+        propagate_paged_stash_marker(source, target)
+
+
+def _save_inputs(ctx, x, probs, recipe, paged_stash, num_rows) -> tuple[torch.Tensor, ...]:
+    """Save (and mark) what backward needs; return ``(x_RC, probs_R)`` in the compute dtype.
+
+    ``x_RC``/``probs_R`` are fresh views: the objects actually saved, so they carry the marker.
+    """
+    ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+    ctx.probs_shape, ctx.probs_dtype = probs.shape, probs.dtype
+    ctx.compute_dtype = torch.promote_types(x.dtype, torch.float32)
+    ctx.recipe = recipe
+    x_RC = x.reshape(-1, x.shape[-1])
+    probs_R = probs.reshape(-1)
+    _mark(paged_stash, probs, probs_R)
+    if recipe is None:
+        _mark(paged_stash, x, x_RC)
+        ctx.save_for_backward(x_RC, probs_R)
+        return x_RC.to(ctx.compute_dtype), probs_R
+    fp8 = quantize(x_RC, recipe, num_rows)
+    if paged_stash or is_grouped_tensor_marked(x):
+        mark_fp8_saved(fp8)
+    ctx.save_for_backward(fp8.data, fp8.scale_inv, probs_R)
+    return dequantize(fp8).to(ctx.compute_dtype), probs_R
+
+
+def _load_inputs(ctx) -> tuple[torch.Tensor, torch.Tensor]:
+    if ctx.recipe is None:
+        x_RC, probs_R = ctx.saved_tensors
+        return x_RC.to(ctx.compute_dtype), probs_R
+    data, scale_inv, probs_R = ctx.saved_tensors
+    fp8 = Fp8Tensor(data, scale_inv, ctx.recipe, ctx.x_dtype)
+    return dequantize(fp8).to(ctx.compute_dtype), probs_R
+
+
+def _finish_grads(ctx, dgate_RF, dup_RF, dprobs_R) -> tuple[torch.Tensor | None, ...]:
+    dx = None
+    if ctx.needs_input_grad[0]:
+        dx = torch.cat([dgate_RF, dup_RF], dim=1).to(ctx.x_dtype).view(ctx.x_shape)
+    dprobs = None
+    if ctx.needs_input_grad[1]:
+        dprobs = dprobs_R.to(ctx.probs_dtype).view(ctx.probs_shape)
+    return dx, dprobs
+
+
+class _WeightedSwiGLU(torch.autograd.Function):
+    """``y = silu(gate) · up · probs`` with ``silu(g) = g·σ(g)``.
+
+    ==========  =============  ==================================================
+    tensor      shape          note
+    ==========  =============  ==================================================
+    ``x``       ``[..., 2F]``  ``R`` = product of the leading dims
+    ``probs``   ``[R]|[R,1]``  routing probability of each row
+    ``y``       ``[..., F]``   dtype of ``x``
+    ==========  =============  ==================================================
+
+    Backward, with ``s = σ(g)``, ``dy`` the incoming gradient::
+
+        d_gate  = dy · probs · up · s·(1 + g·(1 − s))
+        d_up    = dy · probs · silu(g)
+        d_probs = Σ_F dy · silu(g) · up
+
+    Saves for backward (each marked as described in the module docstring):
+
+    * ``x`` as a ``[R, 2F]`` view: ``2·R·F·itemsize(x)`` bytes (bf16: ``4·R·F``), or with the FP8
+      store the e4m3 bytes, ``2·R·F``, plus the scale-inverse (tensorwise: 4 bytes; MXFP8:
+      ``2·R·F/32`` bytes of e8m0, one row per 32 tokens);
+    * ``probs`` as a ``[R]`` view: ``R·itemsize(probs)`` bytes.
+
+    The output is not saved; backward recomputes ``σ(g)``.
+    """
+
+    @staticmethod
+    def forward(ctx, x, probs, recipe, paged_stash, num_rows):
+        x_RC, probs_R = _save_inputs(ctx, x, probs, recipe, paged_stash, num_rows)
+        ffn = x_RC.shape[1] // 2
+        gate_RF, up_RF = x_RC[:, :ffn], x_RC[:, ffn:]
+        y_RF = torch.nn.functional.silu(gate_RF) * up_RF * probs_R.to(x_RC.dtype).unsqueeze(1)
+        return y_RF.to(x.dtype).view(*x.shape[:-1], ffn)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_RC, probs_R = _load_inputs(ctx)
+        ffn = x_RC.shape[1] // 2
+        gate_RF, up_RF = x_RC[:, :ffn], x_RC[:, ffn:]
+        dy_RF = dy.reshape(-1, ffn).to(x_RC.dtype)
+        sig_RF = torch.sigmoid(gate_RF)
+        act_RF = torch.nn.functional.silu(gate_RF)  # as in forward, not gate·σ: same rounding
+        dyp_RF = dy_RF * probs_R.to(x_RC.dtype).unsqueeze(1)
+        dgate_RF = dyp_RF * up_RF * (sig_RF * (1 + gate_RF * (1 - sig_RF)))
+        dup_RF = dyp_RF * act_RF
+        dprobs_R = (dy_RF * (act_RF * up_RF)).sum(dim=1)  # y = (act · up) · probs
+        return *_finish_grads(ctx, dgate_RF, dup_RF, dprobs_R), None, None, None
+
+
+class _WeightedQuickGeGLU(torch.autograd.Function):
+    """``y = quick_gelu(gate') · (up' + linear_offset) · probs``, ``quick_gelu(g) = g·σ(α g)``,
+    ``α = 1.702``; with ``limit`` (GPT-OSS style) ``gate' = min(gate, limit)`` and
+    ``up' = clamp(up, −limit, limit)``, else ``gate' = gate``, ``up' = up``.
+
+    Shapes as :class:`_WeightedSwiGLU`. Backward, with ``s = σ(α gate')``::
+
+        d_gate  = dy · probs · (up' + offset) · (s + α·gate'·s·(1 − s))   [0 where gate > limit]
+        d_up    = dy · probs · quick_gelu(gate')                          [0 where |up| > limit]
+        d_probs = Σ_F dy · quick_gelu(gate') · (up' + offset)
+
+    (at ``gate == limit`` the gradient passes, as with ``torch.clamp``). Saves exactly what
+    :class:`_WeightedSwiGLU` saves, at the same cost: the clamp is recomputed in backward.
+    """
+
+    @staticmethod
+    def forward(ctx, x, probs, recipe, paged_stash, num_rows, limit, linear_offset):
+        x_RC, probs_R = _save_inputs(ctx, x, probs, recipe, paged_stash, num_rows)
+        ctx.limit, ctx.linear_offset = limit, linear_offset
+        ffn = x_RC.shape[1] // 2
+        gate_RF, up_RF = _clamp(x_RC[:, :ffn], x_RC[:, ffn:], limit)
+        act_RF = gate_RF * torch.sigmoid(QUICK_GELU_ALPHA * gate_RF)
+        y_RF = act_RF * (up_RF + linear_offset) * probs_R.to(x_RC.dtype).unsqueeze(1)
+        return y_RF.to(x.dtype).view(*x.shape[:-1], ffn)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_RC, probs_R = _load_inputs(ctx)
+        ffn = x_RC.shape[1] // 2
+        gate_raw_RF, up_raw_RF = x_RC[:, :ffn], x_RC[:, ffn:]
+        gate_RF, up_RF = _clamp(gate_raw_RF, up_raw_RF, ctx.limit)
+        up_RF = up_RF + ctx.linear_offset
+        dy_RF = dy.reshape(-1, ffn).to(x_RC.dtype)
+        sig_RF = torch.sigmoid(QUICK_GELU_ALPHA * gate_RF)
+        act_RF = gate_RF * sig_RF
+        dyp_RF = dy_RF * probs_R.to(x_RC.dtype).unsqueeze(1)
+        dgate_RF = dyp_RF * up_RF * (sig_RF + QUICK_GELU_ALPHA * gate_RF * sig_RF * (1 - sig_RF))
+        dup_RF = dyp_RF * act_RF
+        if ctx.limit is not None:
+            limit = ctx.limit
+            dgate_RF = torch.where(gate_raw_RF <= limit, dgate_RF, 0.0)
+            dup_RF = torch.where((up_raw_RF >= -limit) & (up_raw_RF <= limit), dup_RF, 0.0)
+        dprobs_R = (dy_RF * (act_RF * up_RF)).sum(dim=1)
+        return *_finish_grads(ctx, dgate_RF, dup_RF, dprobs_R), None, None, None, None, None
+
+
+def _clamp(gate, up, limit: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if limit is None:
+        return gate, up
+    return gate.clamp(max=limit), up.clamp(-limit, limit)
+
+
+def _check(x, probs, fp8_input_store, num_rows) -> Fp8Recipe | None:
+    if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.dim() < 1:
+        raise TypeError(f"x must be a floating-point tensor [..., 2F], got {x!r:.80}")
+    if x.shape[-1] == 0 or x.shape[-1] % 2:
+        raise ValueError(f"x's last dim holds [gate | up] and must be even and > 0, got "
+                         f"shape {tuple(x.shape)}")  # fmt: skip
+    rows = x.numel() // x.shape[-1]
+    if not isinstance(probs, torch.Tensor) or not probs.dtype.is_floating_point:
+        raise TypeError(f"probs must be a floating-point tensor, got {probs!r:.80}")
+    if tuple(probs.shape) not in ((rows,), (rows, 1)):
+        raise ValueError(f"probs must have shape [{rows}] or [{rows}, 1] for x of shape "
+                         f"{tuple(x.shape)}, got {tuple(probs.shape)}")  # fmt: skip
+    if probs.device != x.device:
+        raise ValueError(f"probs is on {probs.device} but x on {x.device}")
+    if fp8_input_store is None:
+        return None
+    try:
+        recipe = Fp8Recipe(fp8_input_store)
+    except ValueError:
+        allowed = [r.value for r in Fp8Recipe]
+        raise ValueError(f"fp8_input_store must be None or one of {allowed}, got "
+                         f"{fp8_input_store!r}") from None  # fmt: skip
+    if num_rows is not None and num_rows.device != x.device:
+        raise ValueError(f"num_rows is on {num_rows.device} but x on {x.device}")
+    return recipe
+
+
+def weighted_swiglu(
+    x: torch.Tensor,
+    probs: torch.Tensor,
+    *,
+    fp8_input_store: Fp8Recipe | str | None = None,
+    paged_stash: bool = False,
+    num_rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``silu(x[..., :F]) · x[..., F:] · probs[:, None]`` → ``[..., F]`` (see
+    :class:`_WeightedSwiGLU` for shapes, gradients and saved bytes).
+
+    ``fp8_input_store`` stores the saved input as FP8 with that recipe; ``num_rows`` (a
+    one-element device tensor, used only then) keeps padding rows out of the FP8 scales and
+    stores them as zeros, the bytes the stash restores them as: pass it with ``paged_stash`` for
+    bitwise stash-on/off parity. ``paged_stash=True`` marks every saved token-major tensor.
+    """
+    recipe = _check(x, probs, fp8_input_store, num_rows)
+    return _WeightedSwiGLU.apply(x, probs, recipe, bool(paged_stash), num_rows)
+
+
+def weighted_quick_geglu(
+    x: torch.Tensor,
+    probs: torch.Tensor,
+    *,
+    limit: float | None = None,
+    linear_offset: float = 0.0,
+    fp8_input_store: Fp8Recipe | str | None = None,
+    paged_stash: bool = False,
+    num_rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``quick_gelu(gate') · (up' + linear_offset) · probs[:, None]`` → ``[..., F]``, with the
+    optional GPT-OSS clamp ``limit`` (see :class:`_WeightedQuickGeGLU`). Other arguments as in
+    :func:`weighted_swiglu`.
+    """
+    recipe = _check(x, probs, fp8_input_store, num_rows)
+    if limit is not None and not (math.isfinite(limit) and limit > 0):
+        raise ValueError(f"limit must be None or a finite value > 0, got {limit}")
+    if not math.isfinite(linear_offset):
+        raise ValueError(f"linear_offset must be finite, got {linear_offset}")
+    return _WeightedQuickGeGLU.apply(
+        x, probs, recipe, bool(paged_stash), num_rows,
+        None if limit is None else float(limit), float(linear_offset),
+    )  # fmt: skip

@@ -1,0 +1,192 @@
+"""FP8 storage of saved activations: per-tensor current scaling and MXFP8.
+
+Shape suffixes: ``R`` rows (tokens; the static ``max_num_tokens``, actual rows a prefix),
+``H`` hidden (elements per row), ``B = R / 32`` MXFP8 blocks along the token dimension.
+
+Only the *storage* is FP8 here: :func:`quantize` turns a high-precision ``x_RH`` into an
+:class:`Fp8Tensor` (``float8_e4m3fn`` bytes plus a scale-inverse) and :func:`dequantize` turns it
+back. On CPU the FP8 compute of the library is emulated by exactly this quantise–dequantise pair;
+the stored bytes are real FP8.
+
+Recipes
+-------
+``TENSORWISE`` (current scaling)
+    ``amax = max |x|`` over the *real* rows (``num_rows``), ``scale = 448 / amax`` (1 when amax is
+    0 or not finite, capped at float32's max), ``data = sat(x · scale)``, ``scale_inv = 1/scale``
+    (float32 ``[1]``). Not a power of two, so ``dequantize`` adds one float32 rounding.
+``MXFP8`` (block scaling)
+    One power-of-two scale per block of 32 consecutive *tokens* of one column, stored token-major
+    as ``float8_e8m0fnu [R/32, H]`` so that the real blocks stay a prefix of the rows (which is
+    what lets the paged stash store ``ceil(num_tokens / 32)`` rows of it). The exponent is
+
+        ``e = ceil(log2(amax_block / 448))``, clamped to e8m0's ``[-127, 127]``
+
+    i.e. the smallest power of two with ``amax_block / 2^e <= 448``; ``scale_inv = 2^e``,
+    ``data = sat(x / 2^e)``. This is Transformer Engine's rule (round the scale up so the block
+    maximum never saturates). The OCP MX v1.0 rule, ``e = floor(log2(amax)) - 8`` (8 = emax of
+    e4m3), is the same or one smaller: it maps the block maximum into ``[256, 512)`` and clips
+    values above 448 (up to 12.5 % error), which would break the error bound below. An all-zero
+    block gets ``e = -127`` (byte 0x00); a block containing inf/NaN gets the e8m0 NaN (0xFF).
+
+Error bound (both recipes): e4m3 has 3 mantissa bits and rounds to nearest, so a value whose
+scaled magnitude is normal (``>= 2^-6``) is stored with relative error ``<= 2^-4``; smaller
+scaled values (subnormals) have absolute error ``<= 2^-10`` in the scaled domain.
+
+Padding rows (``rows >= num_rows``) are masked out of every amax with a static-shape
+``torch.where`` and stored as zero bytes; an all-padding MXFP8 block has scale byte 0x00. These
+are exactly the bytes the paged stash writes into padding on pop, so a quantised tensor is
+bitwise the same with the stash on or off. Nothing here reads a device value on the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from te_paged.config import Fp8Recipe
+from te_paged.markers import MXFP8_SCALE_BLOCK, mark_grouped_tensor
+
+__all__ = [
+    "FP8_E4M3_MAX",
+    "Fp8Recipe",
+    "Fp8Tensor",
+    "dequantize",
+    "fp8_supported",
+    "mark_fp8_saved",
+    "quantize",
+]
+
+#: Largest finite ``float8_e4m3fn`` value (``1.75 · 2^8``).
+FP8_E4M3_MAX = 448.0
+
+_E8M0_BIAS = 127
+_E8M0_NAN = 255
+
+
+@dataclasses.dataclass
+class Fp8Tensor:
+    """FP8 bytes of a token-major tensor and the scale-inverse that restores it.
+
+    =============  ==============================  ==========================================
+    field          tensorwise                      MXFP8
+    =============  ==============================  ==========================================
+    ``data``       ``float8_e4m3fn [R, H]``        ``float8_e4m3fn [R, H]``
+    ``scale_inv``  ``float32 [1]`` (static)        ``float8_e8m0fnu [R/32, H]`` (token-major)
+    =============  ==============================  ==========================================
+
+    ``dtype`` is the high-precision dtype the tensor had before quantisation.
+    """
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+    recipe: Fp8Recipe
+    dtype: torch.dtype
+
+
+def fp8_supported() -> tuple[bool, str]:
+    """``(ok, reason)``: whether this torch has the FP8 dtypes both recipes need."""
+    missing = [n for n in ("float8_e4m3fn", "float8_e8m0fnu") if not hasattr(torch, n)]
+    if missing:
+        return False, f"torch {torch.__version__} lacks {', '.join(missing)} (need torch>=2.7)"
+    return True, ""
+
+
+def _row_mask(
+    rows: int, num_rows: torch.Tensor | None, device: torch.device
+) -> torch.Tensor | None:
+    """``[R, 1]`` bool, True for real rows; static shape, compared on the device."""
+    if num_rows is None:
+        return None
+    if not isinstance(num_rows, torch.Tensor) or num_rows.numel() != 1:
+        raise TypeError("num_rows must be a one-element integer tensor (on the data's device)")
+    if num_rows.dtype.is_floating_point or num_rows.dtype == torch.bool:
+        raise TypeError(f"num_rows must be an integer tensor, got {num_rows.dtype}")
+    if num_rows.device != device:
+        raise ValueError(f"num_rows is on {num_rows.device} but the data on {device}: moving it "
+                         "would be a host-device copy in the hot path")  # fmt: skip
+    return torch.arange(rows, device=device).unsqueeze(1) < num_rows.reshape(1, 1)
+
+
+def _saturate_to_fp8(v: torch.Tensor) -> torch.Tensor:
+    # CUDA casts out-of-range values to NaN (e4m3fn has no inf): saturate first. NaN stays NaN.
+    return v.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def quantize(
+    x_RH: torch.Tensor, recipe: Fp8Recipe | str, num_rows: torch.Tensor | None = None
+) -> Fp8Tensor:
+    """Quantise a 2-D ``x_RH`` to FP8 with ``recipe`` (rules in the module docstring).
+
+    ``num_rows`` (a one-element integer device tensor) is the count of real rows; the others are
+    left out of the scales and stored as zeros. Sync-free: no value is read on the host.
+    """
+    recipe = Fp8Recipe(recipe)
+    ok, reason = fp8_supported()
+    if not ok:
+        raise RuntimeError(reason)
+    if not isinstance(x_RH, torch.Tensor) or x_RH.dim() != 2:
+        raise ValueError(f"quantize expects a 2-D [rows, hidden] tensor, got shape "
+                         f"{tuple(getattr(x_RH, 'shape', ()))}")  # fmt: skip
+    if not x_RH.dtype.is_floating_point or x_RH.element_size() < 2:
+        raise TypeError(f"quantize expects a high-precision float tensor, got {x_RH.dtype}")
+    rows, hidden = x_RH.shape
+    if recipe is Fp8Recipe.MXFP8 and rows % MXFP8_SCALE_BLOCK:
+        raise ValueError(
+            f"MXFP8 scales blocks of {MXFP8_SCALE_BLOCK} tokens, but x has {rows} rows: pad the "
+            f"token budget (max_num_tokens) to a multiple of {MXFP8_SCALE_BLOCK}"
+        )
+    dtype = x_RH.dtype
+    mask_R1 = _row_mask(rows, num_rows, x_RH.device)
+    x_RH = x_RH.float()
+    if mask_R1 is not None:
+        # where(), not a multiply: a NaN/inf padding row must not leak into amax or data.
+        x_RH = torch.where(mask_R1, x_RH, 0.0)
+
+    if recipe is Fp8Recipe.TENSORWISE:
+        amax = x_RH.abs().amax() if x_RH.numel() else x_RH.new_zeros(())
+        usable = (amax > 0) & torch.isfinite(amax)
+        scale = torch.where(usable, FP8_E4M3_MAX / amax, 1.0)
+        scale = scale.clamp(max=torch.finfo(torch.float32).max)  # subnormal amax: 448/amax = inf
+        data_RH = _saturate_to_fp8(x_RH * scale)
+        return Fp8Tensor(data_RH, scale.reciprocal().reshape(1), recipe, dtype)
+
+    x_BKH = x_RH.view(rows // MXFP8_SCALE_BLOCK, MXFP8_SCALE_BLOCK, hidden)
+    amax_BH = x_BKH.abs().amax(dim=1)
+    # Exact integer form of e = ceil(log2(amax / 448)): with amax = m·2^k (m in [0.5, 1)) and
+    # 448 = 0.875·2^9, amax <= 448·2^e  <=>  e >= k - 9 when m <= 0.875, else e >= k - 8.
+    # Worked example: amax = 500 = 0.977·2^9 -> e = 1, data max 250; amax = 448 -> e = 0.
+    mant_BH, exp_BH = torch.frexp(amax_BH)
+    e_BH = exp_BH - 9 + (mant_BH > FP8_E4M3_MAX / 512).to(exp_BH.dtype)
+    e_BH = torch.where(amax_BH > 0, e_BH, -_E8M0_BIAS).clamp(-_E8M0_BIAS, _E8M0_BIAS)
+    biased_BH = torch.where(torch.isfinite(amax_BH), e_BH + _E8M0_BIAS, _E8M0_NAN)
+    scale_inv_BH = biased_BH.to(torch.uint8).view(torch.float8_e8m0fnu)
+    # Division by an exact power of two (e8m0 -> float32 is exact, 2^-127 included): the only
+    # rounding is the e4m3 cast.
+    data_RH = _saturate_to_fp8((x_BKH / scale_inv_BH.float().unsqueeze(1)).view(rows, hidden))
+    return Fp8Tensor(data_RH, scale_inv_BH, recipe, dtype)
+
+
+def dequantize(fp8: Fp8Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``data · scale_inv`` in float32, cast to ``dtype`` (default: the original dtype)."""
+    dtype = fp8.dtype if dtype is None else dtype
+    data_RH = fp8.data.float()
+    if fp8.recipe is Fp8Recipe.TENSORWISE:
+        return (data_RH * fp8.scale_inv.float()).to(dtype)
+    rows, hidden = data_RH.shape
+    if fp8.scale_inv.shape != (rows // MXFP8_SCALE_BLOCK, hidden):
+        raise ValueError(f"MXFP8 scale_inv of shape {tuple(fp8.scale_inv.shape)} does not match "
+                         f"data of shape {(rows, hidden)}")  # fmt: skip
+    data_BKH = data_RH.view(rows // MXFP8_SCALE_BLOCK, MXFP8_SCALE_BLOCK, hidden)
+    return (data_BKH * fp8.scale_inv.float().unsqueeze(1)).view(rows, hidden).to(dtype)
+
+
+def mark_fp8_saved(fp8: Fp8Tensor) -> None:
+    """Mark the dynamic parts of ``fp8`` for the paged stash.
+
+    ``data`` has one row per token; an MXFP8 ``scale_inv`` has one row per 32 tokens (marked with
+    ``scale_inv=True``). The tensorwise ``scale_inv`` is a static ``[1]`` and stays unmarked.
+    """
+    mark_grouped_tensor(fp8.data)
+    if fp8.recipe is Fp8Recipe.MXFP8:
+        mark_grouped_tensor(fp8.scale_inv, scale_inv=True)

@@ -1,0 +1,512 @@
+"""GroupedLinear against a loop of F.linear per expert, on CPU.
+
+Bitwise expectations (checked on torch 2.13's CPU ``_grouped_mm``, which runs one ``mm`` per
+group on the same operand layouts ``F.linear`` and its backward use): forward, input gradient and
+weight gradient are ``torch.equal`` to the per-expert loop in fp32 *and* bf16, with the bias added
+after the GEMM (``F.linear(x, w) + b``). Two things are not the same math and get a tolerance:
+
+* the bias gradient: the device path sums each group's rows with a GEMM against ones, the loop
+  with ``sum(0)`` (a cascade sum): a different summation order, error ``<= n·eps·Σ|dy|``;
+* ``F.linear(x, w, b)`` itself (``addmm``): the bias enters the GEMM's accumulator.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import ClassVar
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from te_paged import PagedStashManager, is_grouped_tensor_marked
+from te_paged.grouped import (
+    GroupedLinear,
+    GroupedTensor,
+    dequantize,
+    make_grouped_linear,
+    quantize,
+)
+from te_paged.markers import GROUPED_TENSOR_ATTR
+
+aten = torch.ops.aten
+E8M0 = torch.float8_e8m0fnu
+E, IN, OUT, T = 4, 32, 48, 64
+SPLITS = [5, 0, 17, 9]  # a zero-token expert and 33 padding rows
+# Bias-gradient tolerance (summation order, see the module docstring); bf16: one ulp (2^-8).
+BGRAD_TOL = {
+    torch.float32: {"rtol": 1e-5, "atol": 1e-5},
+    torch.bfloat16: {"rtol": 2**-8, "atol": 1e-2},
+}
+
+
+def _module(dtype=torch.float32, seed=0, **kw):
+    torch.manual_seed(seed)
+    return GroupedLinear(E, IN, OUT, params_dtype=dtype, **kw)
+
+
+def _weights(mod):
+    ws = mod.weight_params()
+    return list(ws[0].unbind(0)) if mod.single_grouped_weight else ws
+
+
+def _biases(mod):
+    bs = mod.bias_params()
+    return list(bs[0].unbind(0)) if mod.single_grouped_bias else bs
+
+
+def _grads(params):
+    return [p.grad for p in params]
+
+
+def _inputs(dtype=torch.float32, rows=T, seed=1, pad=0.0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, IN, generator=g).to(dtype)
+    dy = torch.randn(rows, OUT, generator=g).to(dtype)
+    x[sum(SPLITS) :] = pad
+    return x, dy
+
+
+def _run(mod, x, dy, splits):
+    x = x.detach().clone().requires_grad_()
+    for p in mod.parameters():
+        p.grad = None
+    out = mod(x, splits)
+    out.backward(dy)
+    return out.detach(), x.grad, [p.grad for p in mod.parameters()]
+
+
+def _reference(mod, x, dy, splits, fused_bias=False):
+    """Loop of F.linear over leaf copies of the module's per-expert weights/biases."""
+    ws = [w.detach().clone().requires_grad_() for w in _weights(mod)]
+    bs = [b.detach().clone().requires_grad_() for b in _biases(mod)]
+    x = x.detach().clone().requires_grad_()
+    n = sum(splits)
+    outs = []
+    for g, x_g in enumerate(torch.split(x[:n], splits)):
+        if fused_bias:
+            outs.append(F.linear(x_g, ws[g], bs[g]))
+        else:
+            outs.append(F.linear(x_g, ws[g]) + bs[g] if bs else F.linear(x_g, ws[g]))
+    out = torch.cat([*outs, x.new_zeros(x.shape[0] - n, OUT)])
+    out.backward(dy)
+    return out.detach(), x.grad, _grads(ws), _grads(bs)
+
+
+def _module_grads(mod):
+    """Per-expert weight and bias grads of ``mod`` (slices of the grouped grads when single)."""
+    w = [p.grad for p in mod.weight_params()]
+    b = [p.grad for p in mod.bias_params()]
+    w = list(w[0].unbind(0)) if mod.single_grouped_weight else w
+    b = list(b[0].unbind(0)) if mod.single_grouped_bias else b
+    return w, b
+
+
+def _assert_matches_reference(mod, x, dy, splits, dtype):
+    out, dx, _ = _run(mod, x, dy, torch.tensor(splits))
+    r_out, r_dx, r_dw, r_db = _reference(mod, x, dy, splits)
+    dw, db = _module_grads(mod)
+    assert torch.equal(out, r_out)
+    assert torch.equal(dx, r_dx)
+    assert all(torch.equal(a, b) for a, b in zip(dw, r_dw))
+    for a, b in zip(db, r_db):
+        torch.testing.assert_close(a, b, **BGRAD_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("single", [False, True])
+def test_matches_per_expert_linear(dtype, bias, single):
+    mod = _module(
+        dtype, bias=bias, single_grouped_weight=single, single_grouped_bias=single and bias
+    )
+    if bias:  # zero-initialised biases would hide a wrong bias row
+        with torch.no_grad():
+            for b in mod.bias_params():
+                b.normal_()
+    x, dy = _inputs(dtype)
+    _assert_matches_reference(mod, x, dy, SPLITS, dtype)
+
+
+@pytest.mark.parametrize("splits", [[0, 0, T, 0], [T, 0, 0, 0], [0, 0, 0, 0], [0, 3, 0, 0]])
+def test_skewed_and_empty_routing(splits):
+    mod = _module(bias=True)
+    x, dy = torch.randn(T, IN), torch.randn(T, OUT)
+    _assert_matches_reference(mod, x, dy, splits, torch.float32)
+    if sum(splits) == 0:
+        out, dx, grads = _run(mod, x, dy, torch.tensor(splits))
+        assert not out.any() and not dx.any() and not any(g.any() for g in grads)
+
+
+def test_empty_buffer():
+    mod = _module(bias=True, single_grouped_weight=True)
+    x = torch.randn(0, IN, requires_grad=True)
+    out = mod(x, torch.zeros(E, dtype=torch.int64))
+    out.sum().backward()
+    assert out.shape == (0, OUT) and x.grad.shape == (0, IN)
+    assert not mod.weight.grad.any() and not mod.bias0.grad.any()
+
+
+def test_fused_addmm_reference_within_tolerance():
+    # F.linear(x, w, b) is addmm: the bias enters the accumulator, so it rounds differently.
+    mod = _module(bias=True)
+    with torch.no_grad():
+        for b in mod.bias_params():
+            b.normal_()
+    x, dy = _inputs()
+    out, _, _ = _run(mod, x, dy, torch.tensor(SPLITS))
+    r_out, _, _, _ = _reference(mod, x, dy, SPLITS, fused_bias=True)
+    torch.testing.assert_close(out, r_out, rtol=1e-5, atol=1e-5)
+
+
+def test_nan_padding_changes_nothing():
+    mod = _module(bias=True)
+    x, dy = _inputs()
+    clean = _run(mod, x, dy, torch.tensor(SPLITS))
+    x_nan, dy_nan = x.clone(), dy.clone()
+    x_nan[sum(SPLITS) :] = float("nan")
+    dy_nan[sum(SPLITS) :] = float("nan")  # the padding output is constant: its grad is ignored
+    dirty = _run(mod, x_nan, dy_nan, torch.tensor(SPLITS))
+    assert torch.equal(dirty[0], clean[0]) and torch.equal(dirty[1], clean[1])
+    assert all(torch.equal(a, b) for a, b in zip(dirty[2], clean[2]))
+    assert not dirty[0][sum(SPLITS) :].any() and not dirty[1][sum(SPLITS) :].any()
+
+
+def test_single_and_discrete_layouts_agree_and_state_dicts_convert():
+    discrete = _module(bias=True)
+    single = _module(bias=True, single_grouped_weight=True, single_grouped_bias=True, seed=5)
+    single.load_state_dict(discrete.state_dict())  # discrete -> stacked
+    assert set(single.state_dict()) == {"weight", "bias"}
+    x, dy = _inputs()
+    a, b = _run(discrete, x, dy, torch.tensor(SPLITS)), _run(single, x, dy, torch.tensor(SPLITS))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert torch.equal(torch.stack(a[2][:E]), b[2][0])  # weight0..3 vs weight
+    assert torch.equal(torch.stack(a[2][E:]), b[2][1])
+    back = _module(bias=True, seed=7)
+    back.load_state_dict(single.state_dict())  # stacked -> discrete
+    assert all(torch.equal(p, q) for p, q in zip(back.state_dict().values(),
+                                                 discrete.state_dict().values()))  # fmt: skip
+    mixed = _module(bias=True, single_grouped_weight=True, seed=9)  # stacked weight, bias{i}
+    mixed.load_state_dict(discrete.state_dict())
+    assert set(mixed.state_dict()) == {"weight"} | {f"bias{i}" for i in range(E)}
+    with pytest.raises(RuntimeError, match="weight3"):
+        missing = {k: v for k, v in discrete.state_dict().items() if k != "weight3"}
+        single.load_state_dict(missing)
+
+
+def test_parameters_and_init():
+    shapes = []
+    mod = GroupedLinear(E, IN, OUT, init_method=lambda w: shapes.append(tuple(w.shape)))
+    assert shapes == [(OUT, IN)] * E
+    assert [n for n, _ in mod.named_parameters()] == [f"weight{i}" for i in range(E)] + [
+        f"bias{i}" for i in range(E)
+    ]
+    mod = GroupedLinear(E, IN, OUT, single_grouped_weight=True, bias=False)
+    bound = 1 / IN**0.5  # nn.Linear's kaiming-uniform bound
+    assert mod.weight.shape == (E, OUT, IN) and mod.weight.abs().max() <= bound
+    assert mod.weight.device.type == "cpu"
+    with pytest.raises(ValueError, match="num_gemms"):
+        GroupedLinear(0, IN, OUT)
+    with pytest.raises(ValueError, match="single_grouped_bias"):
+        GroupedLinear(E, IN, OUT, bias=False, single_grouped_bias=True)
+
+
+def test_device_path_rejects_host_splits():
+    mod, x = _module(), torch.randn(T, IN)
+    with pytest.raises(TypeError, match=r"m_splits must be an integer tensor.*list"):
+        mod(x, SPLITS)
+    with pytest.raises(TypeError, match="m_splits must be an integer tensor"):
+        mod(x, tuple(SPLITS))
+    with pytest.raises(TypeError, match="float32"):
+        mod(x, torch.tensor(SPLITS, dtype=torch.float32))
+    with pytest.raises(ValueError, match="3 entries, expected num_gemms=4"):
+        mod(x, torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="meta"):  # a splits tensor on another device
+        mod(x, torch.tensor(SPLITS, device="meta"))
+    with pytest.raises(ValueError, match=r"\[\.\.\., 32\]"):
+        mod(torch.randn(T, IN + 1), torch.tensor(SPLITS))
+    with pytest.raises(ValueError, match="multiple of 16 bytes"):
+        GroupedLinear(E, 6, OUT)(torch.randn(T, 6), torch.tensor(SPLITS))
+
+
+@pytest.mark.parametrize("fp8_recipe", [None, "tensorwise", "mxfp8"])
+def test_legacy_path_matches_device_path(fp8_recipe):
+    dev = _module(bias=True, fp8_recipe=fp8_recipe)
+    legacy = _module(bias=True, fp8_recipe=fp8_recipe, use_grouped_tensor=False, seed=3)
+    legacy.load_state_dict(dev.state_dict())
+    x, dy = _inputs()
+    a = _run(dev, x, dy, torch.tensor(SPLITS))
+    for splits in (SPLITS, torch.tensor(SPLITS)):
+        b = _run(legacy, x, dy, splits)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        assert all(torch.equal(p, q) for p, q in zip(a[2][:E], b[2][:E]))
+        for p, q in zip(a[2][E:], b[2][E:]):
+            torch.testing.assert_close(p, q, **BGRAD_TOL[torch.float32])
+    with pytest.raises(ValueError, match="sums to 80"):
+        legacy(x, [20] * 4)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(0, 20), min_size=E, max_size=E), st.sampled_from([False, True]))
+def test_random_routing_matches_legacy(splits, single):
+    dev = _module(single_grouped_weight=single)
+    legacy = _module(single_grouped_weight=single, use_grouped_tensor=False, seed=2)
+    legacy.load_state_dict(dev.state_dict())
+    x, dy = torch.randn(T + 16, IN), torch.randn(T + 16, OUT)
+    a, b = _run(dev, x, dy, torch.tensor(splits)), _run(legacy, x, dy, splits)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    for (name, _), p, q in zip(dev.named_parameters(), a[2], b[2]):
+        if name.startswith("weight"):
+            assert torch.equal(p, q), name
+        else:  # bias: summation order differs
+            torch.testing.assert_close(p, q, **BGRAD_TOL[torch.float32])
+
+
+def test_frozen_weights_compute_no_wgrad_and_save_no_input():
+    mod = _module(bias=True)
+    for w in mod.weight_params():
+        w.requires_grad_(False)
+    x, dy = _inputs()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out, dx, _ = _run(mod, x, dy, torch.tensor(SPLITS))
+    assert all(w.grad is None for w in mod.weight_params())
+    assert all(b.grad is not None for b in mod.bias_params())
+    assert not any(is_grouped_tensor_marked(t) for t in saved)  # x is not needed, not saved
+    r_out, r_dx, _, _ = _reference(mod, x, dy, SPLITS)
+    assert torch.equal(out, r_out) and torch.equal(dx, r_dx)
+    # One frozen expert among trainable ones: only its grad is skipped.
+    mod = _module()
+    mod.weight1.requires_grad_(False)
+    _, _, grads = _run(mod, x, dy, torch.tensor(SPLITS))
+    assert grads[1] is None and all(g is not None for i, g in enumerate(grads) if i != 1)
+
+
+def test_return_bias():
+    mod = _module(bias=True, return_bias=True)
+    plain = _module(bias=False)
+    x = torch.randn(T, IN)
+    out, bias = mod(x, torch.tensor(SPLITS))
+    assert torch.equal(out, plain(x, torch.tensor(SPLITS)))  # bias not added
+    assert bias.shape == (E, OUT) and torch.equal(bias, torch.stack(mod.bias_params()))
+    (bias * torch.arange(E).view(E, 1)).sum().backward()
+    assert [float(b.grad[0]) for b in mod.bias_params()] == [0.0, 1.0, 2.0, 3.0]
+    assert _module(bias=False, return_bias=True)(x, torch.tensor(SPLITS))[1] is None
+
+
+def test_input_shapes_dtype_cast_and_grouped_tensor():
+    mod = _module()
+    x = torch.randn(2, T // 2, IN)
+    out = mod(x, torch.tensor(SPLITS))
+    assert out.shape == (2, T // 2, OUT)
+    assert torch.equal(out.view(T, OUT), mod(x.view(T, IN), torch.tensor(SPLITS)))
+    gt = GroupedTensor.from_splits(x.view(T, IN), torch.tensor(SPLITS))
+    assert torch.equal(mod(gt), out.view(T, OUT))
+    xb = x.view(T, IN).bfloat16().requires_grad_()
+    yb = mod(xb, torch.tensor(SPLITS))  # fp32 parameters, bf16 activations: weights are cast
+    yb.sum().backward()
+    assert yb.dtype == torch.bfloat16 and mod.weight0.grad.dtype == torch.float32
+
+
+def _pack_record(records):
+    def pack(t):
+        records.append((tuple(t.shape), t.dtype, getattr(t, GROUPED_TENSOR_ATTR, None)))
+        return t
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+
+def test_saved_input_is_marked_and_callers_tensor_is_not():
+    mod = _module(bias=True)
+    x = torch.randn(T, IN, requires_grad=True)
+    records = []
+    with _pack_record(records):
+        out = mod(x, torch.tensor(SPLITS))
+    marked = [r for r in records if r[2] is not None]
+    assert marked == [((T, IN), torch.float32, False)]  # the input, one row per token
+    assert ((E,), torch.int32, None) in records  # offsets saved, unmarked
+    assert not is_grouped_tensor_marked(x)
+    out.sum().backward()
+
+
+@pytest.mark.parametrize(
+    ("recipe", "expected"),
+    [
+        ("tensorwise", [((T, IN), torch.float8_e4m3fn, False)]),
+        ("mxfp8", [((T, IN), torch.float8_e4m3fn, False), ((T // 32, IN), E8M0, True)]),
+    ],
+)
+def test_fp8_saves_marked_fp8_parts_only(recipe, expected):
+    mod = _module(fp8_recipe=recipe)
+    records = []
+    with _pack_record(records):
+        mod(torch.randn(T, IN, requires_grad=True), torch.tensor(SPLITS)).sum().backward()
+    assert [r for r in records if r[2] is not None] == expected
+    assert not [r for r in records if r[0] == (T, IN) and r[1] == torch.float32]
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "mxfp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_matches_quantize_dequantize_by_hand(recipe, dtype):
+    mod = _module(dtype, bias=True, fp8_recipe=recipe)
+    x, dy = _inputs(dtype, pad=float("nan"))  # padding must not reach the scales either
+    out, dx, _ = _run(mod, x, dy, torch.tensor(SPLITS))
+    x_q = dequantize(quantize(x, recipe, num_rows=torch.tensor(sum(SPLITS))), dtype)
+    assert not x_q.isnan().any()
+    r_out, r_dx, r_dw, r_db = _reference(mod, x_q, dy, SPLITS)  # dgrad: straight through
+    dw, db = _module_grads(mod)
+    assert torch.equal(out, r_out) and torch.equal(dx, r_dx)
+    assert all(torch.equal(a, b) for a, b in zip(dw, r_dw))
+    for a, b in zip(db, r_db):
+        torch.testing.assert_close(a, b, **BGRAD_TOL[dtype])
+    assert not torch.equal(out, _run(_module(dtype, bias=True), x, dy, torch.tensor(SPLITS))[0])
+
+
+def test_mxfp8_needs_rows_multiple_of_32():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        _module(fp8_recipe="mxfp8")(torch.randn(40, IN), torch.tensor(SPLITS))
+    with pytest.raises(ValueError, match="float8"):
+        _module(fp8_recipe="float8")
+
+
+@pytest.mark.parametrize("fp8_recipe", [None, "tensorwise", "mxfp8"])
+def test_paged_stash_is_bitwise_transparent(fp8_recipe):
+    mod = _module(bias=True, fp8_recipe=fp8_recipe)
+    splits = torch.tensor(SPLITS)
+    manager = PagedStashManager(page_size=4)
+    for step in range(2):  # capture, then the allocated pool
+        x, dy = _inputs(seed=10 + step, pad=float("nan"))
+        ref = _run(mod, x, dy, splits)
+        manager.reset()
+        x_leaf = x.clone().requires_grad_()
+        for p in mod.parameters():
+            p.grad = None
+        with manager.scope(T, splits.sum(), avg_num_tokens=sum(SPLITS)):
+            out = mod(x_leaf, splits)
+        out.backward(dy)
+        assert torch.equal(out, ref[0]) and torch.equal(x_leaf.grad, ref[1])
+        assert all(torch.equal(p.grad, g) for p, g in zip(mod.parameters(), ref[2]))
+        stats = manager.stats()
+        assert stats.stashes == stats.pops == (2 if fp8_recipe == "mxfp8" else 1)
+        assert not stats.overflow
+    assert stats.mode.value == "captured" and stats.pool_pages
+
+
+class _NoHostSync(TorchDispatchMode):
+    """Raises on every op that reads a device value on the host or has a data-dependent shape."""
+
+    BANNED: ClassVar = {aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten.unique_dim,
+              aten._unique, aten._unique2, aten.unique_consecutive, aten.item}  # fmt: skip
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.overloadpacket in self.BANNED:
+            raise AssertionError(f"host sync: {func}")
+        if func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
+            raise AssertionError(f"host sync: {func} without output_size")
+        return func(*args, **kwargs)
+
+
+def _no_tolist(monkeypatch):
+    # Tensor.tolist reads memory directly on CPU, below the dispatcher: patch it instead.
+    def tolist(self):
+        raise AssertionError("host sync: Tensor.tolist")
+
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"bias": True},
+        {"bias": True, "single_grouped_weight": True, "single_grouped_bias": True},
+        {"fp8_recipe": "tensorwise"},
+        {"fp8_recipe": "mxfp8"},
+        {"bias": True, "cuda_k_align": 8},  # the CUDA regrouping for dW/db, forced on CPU
+    ],
+)
+def test_device_path_is_sync_free(kw, monkeypatch):
+    kw = dict(kw)
+    if kw.pop("cuda_k_align", None):
+        monkeypatch.setattr("te_paged.grouped.grouped_linear._k_align_rows", lambda t: 8)
+    mod = _module(**kw)
+    x = torch.randn(T, IN, requires_grad=True)
+    splits = torch.tensor(SPLITS)
+    _no_tolist(monkeypatch)
+    with _NoHostSync():
+        mod(x, splits).backward(torch.ones(T, OUT))
+        GroupedTensor.from_splits(x.detach(), splits).row_mask()
+    monkeypatch.undo()  # restores Tensor.tolist before the assertion below reads values
+    assert x.grad.abs().sum() > 0
+
+
+def test_sync_checks_can_fail(monkeypatch):
+    legacy = _module(use_grouped_tensor=False)
+    with pytest.raises(AssertionError, match="host sync"), _NoHostSync():
+        torch.tensor([1]).item()
+    _no_tolist(monkeypatch)
+    with pytest.raises(AssertionError, match="host sync"), _NoHostSync():
+        legacy(torch.randn(T, IN), torch.tensor(SPLITS))
+
+
+def _stand_in_te(monkeypatch):
+    calls = []
+
+    class StandInGroupedLinear:
+        def __init__(self, num_gemms, in_features, out_features, *, bias=True,
+                     use_grouped_tensor=False, device="cuda", **kwargs):  # fmt: skip
+            calls.append((num_gemms, in_features, out_features, bias, use_grouped_tensor,
+                          device, kwargs))  # fmt: skip
+
+    te = types.ModuleType("transformer_engine")
+    te_pt = types.ModuleType("transformer_engine.pytorch")
+    te_pt.GroupedLinear = StandInGroupedLinear
+    te.pytorch = te_pt
+    monkeypatch.setitem(sys.modules, "transformer_engine", te)
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", te_pt)
+    return StandInGroupedLinear, calls
+
+
+def test_make_grouped_linear_prefers_transformer_engine(monkeypatch):
+    cls, calls = _stand_in_te(monkeypatch)
+    layer = make_grouped_linear(E, IN, OUT, bias=False, single_grouped_weight=True)
+    assert isinstance(layer, cls)
+    assert calls == [(E, IN, OUT, False, True, "cuda",
+                      {"return_bias": False, "single_grouped_weight": True,
+                       "single_grouped_bias": False})]  # fmt: skip
+    with pytest.raises(ValueError, match="fp8_autocast"):
+        make_grouped_linear(E, IN, OUT, fp8_recipe="mxfp8")
+
+
+def test_make_grouped_linear_falls_back_without_transformer_engine(monkeypatch):
+    for name in list(sys.modules):
+        if name == "transformer_engine" or name.startswith("transformer_engine."):
+            monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr("te_paged.te._te_installed", lambda: False)
+    layer = make_grouped_linear(E, IN, OUT, fp8_recipe="tensorwise", device="cpu")
+    assert type(layer) is GroupedLinear and layer.fp8_recipe.value == "tensorwise"
+
+
+@pytest.mark.parametrize("align", [4, 8])
+def test_cuda_aligned_regrouping_on_cpu(align, monkeypatch):
+    # CUDA's grouped GEMM needs 16-byte group extents along K (dW, db); the regrouping that
+    # provides them runs on CPU too when forced, and must not change a single bit.
+    import te_paged.grouped.grouped_linear as gl
+    from te_paged.grouped.grouped_tensor import align_groups
+
+    t = torch.arange(6.0).view(6, 1).expand(6, 4).contiguous()
+    t[5] = float("nan")  # padding row
+    regrouped, ends = align_groups(t, torch.tensor([2, 2, 5], dtype=torch.int32), 4)
+    assert ends.tolist() == [4, 4, 8] and regrouped.shape == (6 + 3 * 3, 4)
+    assert regrouped[:, 0].tolist() == [0, 1, 0, 0, 2, 3, 4] + [0] * 8
+    mod = _module(bias=True)
+    x, dy = _inputs(pad=float("nan"))
+    ref = _run(mod, x, dy, torch.tensor(SPLITS))
+    monkeypatch.setattr(gl, "_k_align_rows", lambda t: align)
+    got = _run(mod, x, dy, torch.tensor(SPLITS))
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert all(torch.equal(a, b) for a, b in zip(got[2], ref[2]))
