@@ -4,6 +4,15 @@ Importing this package touches no CUDA state and needs neither Triton nor Transf
 """
 
 from te_paged.config import MoEConfig
+from te_paged.grouped import (
+    Fp8Recipe,
+    Fp8Tensor,
+    GroupedLinear,
+    GroupedTensor,
+    make_grouped_linear,
+    weighted_quick_geglu,
+    weighted_swiglu,
+)
 from te_paged.kernels import KernelBackend
 from te_paged.markers import (
     is_checkpoint_without_output_tensor,
@@ -12,11 +21,17 @@ from te_paged.markers import (
     mark_recompute_managed,
     propagate_paged_stash_marker,
 )
+from te_paged.moe import CheckpointWithoutOutput, TEGroupedMLP
 from te_paged.stash import PagedStashBuffer, PagedStashManager, StashKey, StashMode, StashStats
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointWithoutOutput",
+    "Fp8Recipe",
+    "Fp8Tensor",
+    "GroupedLinear",
+    "GroupedTensor",
     "KernelBackend",
     "MoEConfig",
     "PagedStashBuffer",
@@ -24,9 +39,13 @@ __all__ = [
     "StashKey",
     "StashMode",
     "StashStats",
+    "TEGroupedMLP",
     "is_checkpoint_without_output_tensor",
     "is_grouped_tensor_marked",
+    "make_grouped_linear",
     "mark_grouped_tensor",
     "mark_recompute_managed",
     "propagate_paged_stash_marker",
+    "weighted_quick_geglu",
+    "weighted_swiglu",
 ]
