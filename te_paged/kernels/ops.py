@@ -6,6 +6,7 @@ mutating op instead of tracing into kernel launches or host reads.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import torch
@@ -18,9 +19,8 @@ __all__ = ["KernelBackend", "resolve_backend", "stash_copy", "stash_pop", "trito
 
 def triton_available() -> tuple[bool, str]:
     """``(ok, reason)``: whether the Triton kernels can run here."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
+    # find_spec, not import: choosing a backend must not pay for (or initialise) Triton.
+    if importlib.util.find_spec("triton") is None:
         return False, "triton is not installed (pip install 'te_paged[triton]')"
     return True, ""
 

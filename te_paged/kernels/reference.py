@@ -78,6 +78,11 @@ def torch_stash_copy(
     overflow too. After an overflow this is a no-op. ``rec_pages_M``/``rec_meta`` receive the
     record :func:`torch_stash_pop` needs.
     """
+    if rec_pages_M.numel() < -(-src_RH.shape[0] // page_size):
+        raise ValueError(
+            f"rec_pages_M has {rec_pages_M.numel()} slots; {src_RH.shape[0]} rows of pages of "
+            f"{page_size} need {-(-src_RH.shape[0] // page_size)}"
+        )
     meta = [0] * len(Meta)
     meta[Meta.TIER] = int(Tier.NONE)
     fl = flags.tolist()
@@ -143,6 +148,8 @@ def torch_stash_pop(
     rows, tier = meta[Meta.ROWS], Tier(meta[Meta.TIER])
     if overflowed or tier is Tier.NONE:
         rows = 0
+    if rows > dst_RH.shape[0]:
+        raise ValueError(f"record holds {rows} rows but dst_RH has only {dst_RH.shape[0]}")
     if zero_padding:
         dst_RH[rows:].zero_()
     if overflowed or tier is Tier.NONE:

@@ -11,7 +11,7 @@ from te_paged.stash import PagedStashManager
 ROWS = 64  # static expert buffer (max_num_tokens); capacity factor 2 -> 32 balanced rows
 EXPERTS = 4
 # Skewed but within the budget and within a 1.1x pool: 30 and 29 real rows of 64.
-ROUTING = [torch.tensor([10, 0, 7, 13]), torch.tensor([1, 20, 5, 3])]
+ROUTING = [[10, 0, 7, 13], [1, 20, 5, 3]]
 
 
 def config(**overrides) -> MoEConfig:
@@ -38,9 +38,10 @@ def build(cfg: MoEConfig, layers: int = 2, seed: int = 0):
 
 def step_inputs(cfg: MoEConfig, step: int):
     g = torch.Generator().manual_seed(100 + step)
-    tokens_per_expert = ROUTING[step % len(ROUTING)]
+    routing = ROUTING[step % len(ROUTING)]
+    tokens_per_expert = torch.tensor(routing)
     x = torch.randn(ROWS, cfg.hidden_size, generator=g)
-    x[int(tokens_per_expert.sum()) :] = 7.0  # stale padding: nothing may depend on it
+    x[sum(routing) :] = 7.0  # stale padding: nothing may depend on it
     probs = torch.rand(ROWS, generator=g)
     return x.requires_grad_(), tokens_per_expert, probs.requires_grad_()
 

@@ -1,0 +1,82 @@
+"""The captured ON step with the Triton kernels performs no device→host read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .harness import build, config, run_step
+
+pytest.importorskip("triton")
+
+_HOST_READS = {
+    "aten::_local_scalar_dense",  # item(), bool(), int(), tolist()
+    "aten::nonzero",
+    "aten::masked_select",
+    "aten::unique",
+    "aten::_unique",
+    "aten::_unique2",
+    "aten::unique_consecutive",
+    "aten::unique_dim",
+    "aten::argwhere",
+}
+
+
+class NoHostReads(TorchDispatchMode):
+    """Fails on every op that needs a device→host read or has a data-dependent shape."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        kwargs = kwargs or {}
+        if name in _HOST_READS or (
+            name == "aten::repeat_interleave" and kwargs.get("output_size") is None
+        ):
+            raise AssertionError(f"{func} reads the device on the host")
+        return func(*args, **kwargs)
+
+
+def test_guard_catches_a_host_read() -> None:
+    with pytest.raises(AssertionError, match="reads the device"), NoHostReads():
+        torch.tensor([3]).item()
+
+
+@pytest.mark.parametrize("fuser", [False, True])
+@pytest.mark.parametrize("fp8", [None, "mxfp8"])
+def test_captured_step_is_sync_free_and_matches_the_reference(fuser, fp8) -> None:
+    kw = {"use_transformer_engine_op_fuser": fuser, "fp8": fp8, "moe_paged_stash": True}
+    triton_cfg = config(moe_paged_stash_kernel_backend="triton", **kw)
+    manager, layers = build(triton_cfg)
+    torch_cfg = config(moe_paged_stash_kernel_backend="torch", **kw)
+    ref_manager, ref_layers = build(torch_cfg)
+    run_step(manager, layers, triton_cfg, 0)  # capture step: may read counts on the host
+    run_step(ref_manager, ref_layers, torch_cfg, 0)
+    manager.reset()  # allocates the pools, outside the guarded step
+    ref_manager.reset()
+    with NoHostReads():
+        on = run_step(manager, layers, triton_cfg, 1)
+    ref = run_step(ref_manager, ref_layers, torch_cfg, 1)
+    assert all(torch.equal(a, b) for a, b in zip(on, ref))
+    stats, ref_stats = manager.stats(), ref_manager.stats()
+    assert stats.stashes == stats.pops > 0 and not stats.overflow
+    for key, buf in manager.buffers.items():  # identical pool state after the step
+        other = ref_manager.buffers[key]
+        for a, b in zip(buf.kernel_args(), other.kernel_args()):
+            assert torch.equal(a, b), key
+    assert stats.pages_high_water == ref_stats.pages_high_water
+
+
+def test_guard_sees_backward_too() -> None:
+    class ReadsInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            g.sum().item()
+            return g
+
+    x = torch.ones(3, requires_grad=True)
+    with pytest.raises(AssertionError, match="reads the device"), NoHostReads():
+        ReadsInBackward.apply(x).sum().backward()
