@@ -270,3 +270,17 @@ def test_from_config() -> None:
 def test_manager_rejects_bad_arguments(kwargs, match) -> None:
     with pytest.raises(ValueError, match=match):
         PagedStashManager(**kwargs)
+
+
+def test_tensor_marked_by_transformer_engine_is_paged() -> None:
+    manager = PagedStashManager(page_size=4)
+    for _ in range(2):
+        manager.reset()
+        t = torch.randn(8, 3, requires_grad=True)
+        t.grouped_tensor_scale_inv = False  # what TE's mark_grouped_tensor sets
+        Keep.seen.clear()
+        with manager.scope(8, torch.tensor(5), 4):
+            out = Keep.apply(t)
+        out.sum().backward()
+        assert torch.equal(Keep.seen[0][:5], t.detach()[:5])
+        assert manager.stats().stashes == 1

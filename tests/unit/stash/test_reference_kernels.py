@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -158,3 +160,19 @@ def test_reset_restores_the_initial_state_in_place(make_harness) -> None:
     assert h.buffer.free_P.tolist() == [0, 1, 2]
     assert h.buffer.state.tolist()[: State.HOST_HWM + 1] == [0, 3, 0, 0, 1, 0]
     assert [t.data_ptr() for t in h.buffer.kernel_args()] == ptrs
+
+
+def test_large_fragmented_pool_round_trips() -> None:
+    # The reference alone at a realistic size: 4096 static rows of 512 bf16, page size 64,
+    # with pops out of order so later stashes get scattered pages.
+    h = KernelHarness(PagedStashBuffer(StashKey(torch.bfloat16, 512), 110, 64, "cpu"))
+    xs = [random_bits(4096, 512, torch.bfloat16, seed) for seed in range(3)]
+    counts = [3000, 2500, 4096]
+    recs = [h.stash(x, n) for x, n in zip(xs[:2], counts[:2])]
+    assert bits_equal(h.pop(recs[0], xs[0])[:3000], xs[0][:3000])
+    rec = h.stash(xs[2], counts[2])  # reuses A's pages after B's: not one contiguous run
+    pages = rec[0].tolist()
+    assert any(b != a + 1 for a, b in itertools.pairwise(pages))
+    assert bits_equal(h.pop(rec, xs[2]), xs[2])
+    assert bits_equal(h.pop(recs[1], xs[1])[:2500], xs[1][:2500])
+    assert int(h.buffer.state[State.TAIL]) - int(h.buffer.state[State.HEAD]) == 110
