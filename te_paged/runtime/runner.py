@@ -1,0 +1,254 @@
+"""``PagedStashRunner``: run a training step on static budgets, rerun it when a budget overflowed.
+
+A step runs with fixed per-rank token budgets (the dispatcher drops assignments over budget and
+counts them on the device) and paged stashing (copies that find no free page count an
+overflow). Neither may change the result silently, so after the step one collective gathers
+every rank's flags and statistics; if any rank overflowed its stash or went over its token
+budget, every rank zeroes its gradients, frees the stash pool, and reruns the same step once,
+dropless and without stashing, so the step's gradients equal those of a run that never
+overflowed. Settings are restored afterwards (the pool is reallocated at the next step).
+
+The collective is one ``all_reduce(SUM)`` over a small vector: three 0/1 flags (summed into
+counts of ranks) followed by one slot per rank for that rank's statistics (zero elsewhere, so
+the sum *is* the gather). That is the only device→host read of a step without fallback.
+
+A runaway guard stops the prior art's failure mode — a faulty signal that made every step rerun
+until the dropless fallback ran out of memory: after ``max_consecutive_fallbacks`` fallbacks in
+a row the next one raises :class:`FallbackLimitError` with the factors that would have fitted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from te_paged.kernels.layout import Flag
+from te_paged.stash import PagedStashManager
+
+__all__ = ["FallbackLimitError", "PagedStashRunner", "StepRecord"]
+
+_MARGIN = 1.05  # headroom on suggested factors, so a repeat of the same peak fits
+
+
+class FallbackLimitError(RuntimeError):
+    """Too many consecutive fallbacks: the static budgets are too small for this routing."""
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """What happened in one step (also one JSON line via :meth:`to_json`)."""
+
+    step: int
+    attempt: int  # 1, or 2 when the step was rerun
+    enabled: bool  # paged stash active in the attempt whose result was kept
+    stash_overflow_ranks: int  # ranks whose stash overflowed in attempt 1
+    overbudget_ranks: int  # ranks that dropped assignments over their token budget in attempt 1
+    host_spill_ranks: int  # ranks that spilled a tensor to the host tier (no rerun needed)
+    will_retry: bool  # attempt 1 was invalid and the step was rerun
+    pool_high_water_pages: dict[str, int]  # max over ranks, per pool key
+    pool_pages: dict[str, int]
+    peak_tokens: int  # max over ranks and layers of tokens routed to a rank (before dropping)
+    budget_tokens: int  # the static per-rank budget (max_num_tokens)
+    balanced_tokens: int  # tokens per rank under perfect balance (tokens × top-k)
+    suggested_capacity_factor: float | None = None
+    suggested_buffer_size_factor_cuda: float | None = None
+    fallback_peak_bytes: int | None = None  # memory the dropless rerun needed
+    fallback_memory_method: str | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
+def _moe_layers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "set_dropless") and hasattr(m, "dispatcher")]
+
+
+class PagedStashRunner:
+    """Wraps one training step's forward-backward; see the module docstring."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        manager: PagedStashManager | None = None,
+        *,
+        group: dist.ProcessGroup | None = None,
+        max_consecutive_fallbacks: int = 3,
+        grow_pool: bool = False,
+        measure_fallback_memory: bool = True,
+    ) -> None:
+        if max_consecutive_fallbacks < 1:
+            raise ValueError(
+                f"max_consecutive_fallbacks must be >= 1, got {max_consecutive_fallbacks}"
+            )
+        self.model = model
+        self.manager = manager
+        self.group = group
+        self.layers = _moe_layers(model)
+        if not self.layers and manager is None:
+            raise ValueError("model has no MoE layer (no module with a dispatcher) and no manager")
+        self.max_consecutive_fallbacks = max_consecutive_fallbacks
+        self.grow_pool = grow_pool
+        self.measure_fallback_memory = measure_fallback_memory
+        self.consecutive_fallbacks = 0
+        self.step_index = 0
+        self.records: list[StepRecord] = []
+
+    # ---------------------------------------------------------------------------- collective
+
+    def _world(self) -> tuple[int, int]:
+        if not (dist.is_available() and dist.is_initialized()):
+            return 0, 1
+        return dist.get_rank(self.group), dist.get_world_size(self.group)
+
+    def _local_stats(self, device: torch.device) -> tuple[torch.Tensor, list[str]]:
+        """Device vector: [overflow, overbudget, spill, peak_tokens, pages hwm per key...]."""
+        zero = torch.zeros((), dtype=torch.int64, device=device)
+        overflow = spill = zero
+        keys: list[str] = []
+        hwm: list[torch.Tensor] = []
+        if self.manager is not None:
+            overflow = (self.manager.flags[Flag.OVERFLOW] > 0).long()
+            spill = (self.manager.flags[Flag.HOST_SPILL] > 0).long()
+            for key, buf in self.manager.buffers.items():
+                keys.append(str(key))
+                hwm.append(buf.state[2].to(device))  # State.HWM
+        over = zero
+        peak = zero
+        for layer in self.layers:
+            d = layer.dispatcher
+            over = over + (d.over_budget > 0).long().to(device)
+            peak = torch.maximum(peak, d.peak_tokens.to(device).long())
+        flags = torch.stack([overflow, (over > 0).long(), spill])
+        return torch.cat([flags, peak.reshape(1), *(h.reshape(1) for h in hwm)]), keys
+
+    def _reduce(self) -> tuple[list[int], list[list[int]], list[str]]:
+        device = self.manager.device if self.manager is not None else torch.device("cpu")
+        local, keys = self._local_stats(device)
+        rank, world = self._world()
+        stats_len = local.numel() - 3
+        vec = torch.zeros(3 + world * stats_len, dtype=torch.int64, device=device)
+        vec[:3] = local[:3]
+        vec[3 + rank * stats_len : 3 + (rank + 1) * stats_len] = local[3:]
+        if world > 1:
+            if device.type == "cpu" and dist.get_backend(self.group) == "nccl":
+                raise RuntimeError("the NCCL group needs the manager on a CUDA device")
+            dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=self.group)
+        values = vec.tolist()  # the step's one device -> host read
+        per_rank = [values[3 + r * stats_len : 3 + (r + 1) * stats_len] for r in range(world)]
+        return values[:3], per_rank, keys
+
+    # ---------------------------------------------------------------------------------- step
+
+    def _set_fallback(self, on: bool) -> None:
+        for layer in self.layers:
+            layer.set_dropless(on)
+        if self.manager is not None:
+            self.manager.enabled = not on
+
+    def _reset_flags(self) -> None:
+        for layer in self.layers:
+            layer.dispatcher.reset_flags()
+
+    def _budget(self) -> tuple[int, int]:
+        if not self.layers:
+            return 0, 0
+        d = self.layers[0].dispatcher
+        return int(d.max_num_tokens), int(d.balanced_tokens)
+
+    def step(self, step_fn: Callable[[], Any]) -> tuple[Any, StepRecord]:
+        """Run ``step_fn`` (forward + backward over the step's microbatches); rerun once,
+        dropless and without stashing, if any rank overflowed or went over budget."""
+        if self.manager is not None:
+            self.manager.reset()
+        self._reset_flags()
+        result = step_fn()
+        (overflow, overbudget, spill), per_rank, keys = self._reduce()
+        budget, balanced = self._budget()
+        peak_tokens = max((r[0] for r in per_rank), default=0)
+        hwm = {k: max(r[1 + i] for r in per_rank) for i, k in enumerate(keys)}
+        record = StepRecord(
+            step=self.step_index, attempt=1, enabled=self._stash_enabled(),
+            stash_overflow_ranks=overflow, overbudget_ranks=overbudget, host_spill_ranks=spill,
+            will_retry=bool(overflow or overbudget), pool_high_water_pages=hwm,
+            pool_pages=self._pool_pages(), peak_tokens=peak_tokens, budget_tokens=budget,
+            balanced_tokens=balanced,
+        )  # fmt: skip
+        if record.will_retry:
+            self._suggest(record)
+            if self.consecutive_fallbacks >= self.max_consecutive_fallbacks:
+                raise FallbackLimitError(
+                    f"{self.consecutive_fallbacks} consecutive steps needed the dropless "
+                    f"fallback (stash overflow on {overflow} rank(s), over budget on "
+                    f"{overbudget}): raise moe_expert_rank_capacity_factor to >= "
+                    f"{record.suggested_capacity_factor} and "
+                    f"moe_paged_stash_buffer_size_factor_cuda to >= "
+                    f"{record.suggested_buffer_size_factor_cuda}"
+                )
+            result = self._fallback(step_fn, record)
+            self.consecutive_fallbacks += 1
+        else:
+            self.consecutive_fallbacks = 0
+        self.step_index += 1
+        self.records.append(record)
+        return result, record
+
+    def _stash_enabled(self) -> bool:
+        return self.manager is not None and self.manager.enabled
+
+    def _pool_pages(self) -> dict[str, int]:
+        if self.manager is None:
+            return {}
+        return {str(k): b.num_pages for k, b in self.manager.buffers.items()}
+
+    def _suggest(self, record: StepRecord) -> None:
+        if record.balanced_tokens:
+            needed = record.peak_tokens / record.balanced_tokens
+            record.suggested_capacity_factor = math.ceil(100 * needed * _MARGIN) / 100
+        if self.manager is not None and record.stash_overflow_ranks:
+            # The pool holds factor x (balanced pages of the live tensors); each tensor really
+            # needs (its tokens / balanced) of that. Assuming every layer at the step's peak
+            # bounds the factor that fits, whatever the current one was.
+            ratio = record.peak_tokens / max(record.balanced_tokens, 1)
+            record.suggested_buffer_size_factor_cuda = math.ceil(100 * ratio * _MARGIN) / 100
+
+    def _fallback(self, step_fn: Callable[[], Any], record: StepRecord) -> Any:
+        self.model.zero_grad(set_to_none=True)
+        if self.manager is not None:
+            self.manager.release()  # the pool and the dropless rerun never coexist
+            if self.grow_pool and record.suggested_buffer_size_factor_cuda is not None:
+                factor = max(record.suggested_buffer_size_factor_cuda,
+                             self.manager.buffer_size_factor_cuda)  # fmt: skip
+                self.manager.buffer_size_factor_cuda = factor
+        self._set_fallback(True)
+        try:
+            result, peak, method = self._measured(step_fn)
+        finally:
+            self._set_fallback(False)
+        record.attempt = 2
+        record.enabled = False
+        record.fallback_peak_bytes, record.fallback_memory_method = peak, method
+        return result
+
+    def _measured(self, step_fn: Callable[[], Any]) -> tuple[Any, int | None, str | None]:
+        if not self.measure_fallback_memory:
+            return step_fn(), None, None
+        device = self.manager.device if self.manager is not None else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+            result = step_fn()
+            return result, torch.cuda.max_memory_allocated(device) - base, "cuda allocator peak"
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        tracker = MemTracker()
+        with tracker:
+            result = step_fn()
+        peak = tracker.get_tracker_snapshot("peak").get(device, {}).get("Total", 0)
+        return result, int(peak), "torch MemTracker peak (dispatch-based)"

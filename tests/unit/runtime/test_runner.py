@@ -1,0 +1,176 @@
+"""PagedStashRunner in one process: flags, rerun, restore, runaway guard, records."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from te_paged.moe import TEGroupedMLP
+from te_paged.runtime import FallbackLimitError, PagedStashRunner
+from te_paged.stash import PagedStashManager
+
+from ..moe.harness import ROWS, config
+
+
+class FakeDispatcher:
+    """Routes a fixed prefix; can be told to report (and apply) an over-budget drop."""
+
+    def __init__(self) -> None:
+        self.over_budget = torch.zeros((), dtype=torch.int64)
+        self.peak_tokens = torch.zeros((), dtype=torch.int64)
+        self.max_num_tokens, self.balanced_tokens = ROWS, ROWS // 2
+        self.dropless = False
+        self.force_over_budget = False
+
+    def reset_flags(self) -> None:
+        self.over_budget.zero_()
+        self.peak_tokens.zero_()
+
+
+class FakeMoELayer(nn.Module):
+    def __init__(self, cfg, manager) -> None:
+        super().__init__()
+        self.experts = TEGroupedMLP(4, cfg, manager=manager)
+        self.dispatcher = FakeDispatcher()
+
+    def set_dropless(self, on: bool) -> None:
+        self.dispatcher.dropless = on
+
+    def forward(self, x, tokens, probs):
+        demand = int(tokens.sum())
+        self.dispatcher.peak_tokens.fill_(max(int(self.dispatcher.peak_tokens), demand))
+        if self.dispatcher.force_over_budget and not self.dispatcher.dropless:
+            self.dispatcher.over_budget += 1
+            tokens = tokens.clone()
+            tokens[0] = 0  # this attempt drops expert 0's tokens: a wrong result
+        return self.experts(x, tokens, probs)[0]
+
+
+def make(cfg_kw=None, layers=2, seed=0):
+    cfg = config(moe_paged_stash=True, **(cfg_kw or {}))
+    torch.manual_seed(seed)
+    manager = PagedStashManager.from_config(cfg)
+    model = nn.ModuleList([FakeMoELayer(cfg, manager) for _ in range(layers)])
+    return model, manager
+
+
+def step_fn(model, step: int):
+    def fn():
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(ROWS, 32, generator=g)
+        probs = torch.rand(ROWS, generator=g)
+        tokens = torch.tensor([10, 0, 7, 13] if step % 2 == 0 else [1, 20, 5, 3])
+        h = x
+        for layer in model:
+            h = layer(h, tokens, probs)
+        loss = h.square().sum()
+        loss.backward()
+        return loss.detach()
+
+    return fn
+
+
+def grads(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_in_budget_steps_run_once_with_stash() -> None:
+    model, manager = make()
+    runner = PagedStashRunner(model, manager)
+    for step in range(3):
+        model.zero_grad()
+        _, rec = runner.step(step_fn(model, step))
+        assert (rec.attempt, rec.enabled, rec.will_retry) == (1, True, False)
+        assert rec.stash_overflow_ranks == rec.overbudget_ranks == rec.host_spill_ranks == 0
+        assert rec.peak_tokens == 30 if step % 2 == 0 else 29
+        assert (rec.budget_tokens, rec.balanced_tokens) == (ROWS, ROWS // 2)
+        if step:
+            assert sum(rec.pool_high_water_pages.values()) > 0
+    assert json.loads(rec.to_json())["step"] == 2
+
+
+def _reference(step: int):
+    model, manager = make()
+    manager.enabled = False
+    step_fn(model, step)()
+    return grads(model)
+
+
+def test_stash_overflow_reruns_dropless_and_matches_reference() -> None:
+    model, manager = make({"moe_paged_stash_buffer_size_factor_cuda": 0.2})
+    runner = PagedStashRunner(model, manager)
+    _, rec0 = runner.step(step_fn(model, 0))  # capture step: nothing paged for real yet
+    assert rec0.attempt == 1
+    model.zero_grad()
+    _, rec = runner.step(step_fn(model, 1))
+    assert rec.stash_overflow_ranks == 1 and rec.will_retry and rec.attempt == 2
+    assert not rec.enabled and rec.suggested_buffer_size_factor_cuda is not None
+    assert rec.fallback_peak_bytes and rec.fallback_memory_method
+    assert all(torch.equal(a, b) for a, b in zip(grads(model), _reference(1)))
+    assert manager.enabled and manager.buffers == {}  # restored; the pool comes back at reset
+
+
+def test_over_budget_reruns_and_gradients_equal_the_dropless_reference() -> None:
+    model, manager = make()
+    runner = PagedStashRunner(model, manager)
+    model[1].dispatcher.force_over_budget = True
+    _, rec = runner.step(step_fn(model, 0))
+    assert rec.overbudget_ranks == 1 and rec.attempt == 2
+    assert rec.suggested_capacity_factor == pytest.approx(30 / 32 * 1.05, abs=0.01)
+    assert all(torch.equal(a, b) for a, b in zip(grads(model), _reference(0)))
+    assert not model[1].dispatcher.dropless  # settings restored
+
+
+def test_host_spill_needs_no_rerun() -> None:
+    model, manager = make({"moe_paged_stash_buffer_size_factor_cuda": 0.2,
+                           "moe_paged_stash_buffer_size_factor_cpu": 2.0})  # fmt: skip
+    runner = PagedStashRunner(model, manager)
+    runner.step(step_fn(model, 0))
+    model.zero_grad()
+    _, rec = runner.step(step_fn(model, 1))
+    assert rec.host_spill_ranks == 1 and rec.attempt == 1 and not rec.will_retry
+    assert all(torch.equal(a, b) for a, b in zip(grads(model), _reference(1)))
+
+
+def test_runaway_guard_raises_with_suggested_factors() -> None:
+    model, manager = make()
+    runner = PagedStashRunner(model, manager, max_consecutive_fallbacks=2)
+    model[0].dispatcher.force_over_budget = True
+    for step in range(2):
+        _, rec = runner.step(step_fn(model, step))
+        assert rec.attempt == 2
+    with pytest.raises(FallbackLimitError, match=r"moe_expert_rank_capacity_factor to >= \d"):
+        runner.step(step_fn(model, 2))
+
+
+def test_a_good_step_resets_the_fallback_count() -> None:
+    model, manager = make()
+    runner = PagedStashRunner(model, manager, max_consecutive_fallbacks=1)
+    model[0].dispatcher.force_over_budget = True
+    runner.step(step_fn(model, 0))
+    model[0].dispatcher.force_over_budget = False
+    runner.step(step_fn(model, 1))
+    assert runner.consecutive_fallbacks == 0
+    model[0].dispatcher.force_over_budget = True
+    _, rec = runner.step(step_fn(model, 2))  # allowed again
+    assert rec.attempt == 2
+
+
+def test_grow_pool_raises_the_buffer_factor_after_an_overflow() -> None:
+    model, manager = make({"moe_paged_stash_buffer_size_factor_cuda": 0.2})
+    runner = PagedStashRunner(model, manager, grow_pool=True)
+    runner.step(step_fn(model, 0))
+    _, rec = runner.step(step_fn(model, 1))
+    assert rec.attempt == 2 and manager.buffer_size_factor_cuda > 0.2
+    _, rec = runner.step(step_fn(model, 3))
+    assert rec.attempt == 1 and rec.stash_overflow_ranks == 0
+
+
+def test_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="max_consecutive_fallbacks"):
+        PagedStashRunner(nn.Linear(2, 2), PagedStashManager(), max_consecutive_fallbacks=0)
+    with pytest.raises(ValueError, match="no MoE layer"):
+        PagedStashRunner(nn.Linear(2, 2))
