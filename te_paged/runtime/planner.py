@@ -1,0 +1,250 @@
+"""Size the static budgets from a recorded routing profile; print a named model's sizes.
+
+Profile: ``tokens[step][layer][expert]`` routed tokens, for a model with ``num_experts`` experts
+over ``ep_size`` ranks (rank ``r`` holds experts ``[r·E/P, (r+1)·E/P)``), ``tokens_per_rank``
+input tokens per rank and top-``k`` routing, so a rank's balanced load is ``N·k`` rows.
+
+For one step:
+
+* the **capacity factor** it needs is ``max over layers and ranks of received / (N·k)`` — any
+  rank over its budget in any layer reruns the step;
+* the **CUDA buffer factor** it needs is ``max over ranks of Σ_layers received / (L·N·k)`` —
+  the stash pool is shared by all layers, so skew averages over layers (the point of paging).
+
+A factor that covers the ``1 − target_rerun_rate`` quantile of the per-step needs reruns at
+most that fraction of steps. Memory per choice: the static buffers cost
+``capacity_factor × S`` and the pool ``buffer_factor × S``, with ``S`` the balanced-case bytes
+of the stashed activations (``N·k × bytes_per_token × L``).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = [
+    "NAMED_CONFIGS",
+    "FactorChoice",
+    "NamedConfig",
+    "RoutingProfile",
+    "named_sizes",
+    "recommend",
+    "stashed_bytes_per_token",
+]
+
+
+@dataclasses.dataclass
+class RoutingProfile:
+    num_experts: int
+    ep_size: int
+    top_k: int
+    tokens_per_rank: int
+    tokens: list[list[list[int]]]  # [step][layer][expert]
+
+    def __post_init__(self) -> None:
+        if self.num_experts % self.ep_size:
+            raise ValueError(
+                f"num_experts={self.num_experts} is not divisible by ep_size={self.ep_size}"
+            )
+        if not self.tokens:
+            raise ValueError("the routing profile has no steps")
+        for s, step in enumerate(self.tokens):
+            for layer, counts in enumerate(step):
+                if len(counts) != self.num_experts:
+                    raise ValueError(
+                        f"step {s} layer {layer} has {len(counts)} experts, "
+                        f"expected {self.num_experts}"
+                    )
+
+    @property
+    def balanced(self) -> int:
+        return self.tokens_per_rank * self.top_k
+
+    def received(self, step: int) -> list[list[int]]:
+        """``[layer][rank]`` rows each rank receives."""
+        per = self.num_experts // self.ep_size
+        return [
+            [sum(counts[r * per : (r + 1) * per]) for r in range(self.ep_size)]
+            for counts in self.tokens[step]
+        ]
+
+    def capacity_needs(self) -> list[float]:
+        return [max(map(max, self.received(s))) / self.balanced for s in range(len(self.tokens))]
+
+    def buffer_needs(self) -> list[float]:
+        needs = []
+        for s in range(len(self.tokens)):
+            recv = self.received(s)
+            layers = len(recv)
+            needs.append(
+                max(sum(layer[r] for layer in recv) for r in range(self.ep_size))
+                / (layers * self.balanced)
+            )
+        return needs
+
+    def to_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(dataclasses.asdict(self)))
+
+    @classmethod
+    def load(cls, path: str | Path) -> RoutingProfile:
+        """JSON (the fields above) or CSV with a header of the fields and rows
+        ``step,layer,expert,tokens`` after a ``#`` line ``num_experts,ep_size,top_k,
+        tokens_per_rank`` of values."""
+        path = Path(path)
+        if path.suffix == ".json":
+            return cls(**json.loads(path.read_text()))
+        if path.suffix != ".csv":
+            raise ValueError(f"routing profile must be .json or .csv, got {path.name}")
+        lines = path.read_text().splitlines()
+        meta = dict(
+            zip(
+                ("num_experts", "ep_size", "top_k", "tokens_per_rank"),
+                map(int, lines[0].lstrip("#").split(",")),
+            )
+        )
+        rows = list(csv.DictReader(lines[1:]))
+        steps = 1 + max(int(r["step"]) for r in rows)
+        layers = 1 + max(int(r["layer"]) for r in rows)
+        tokens = [[[0] * meta["num_experts"] for _ in range(layers)] for _ in range(steps)]
+        for r in rows:
+            tokens[int(r["step"])][int(r["layer"])][int(r["expert"])] = int(r["tokens"])
+        return cls(tokens=tokens, **meta)
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    idx = min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))
+    return ordered[idx]
+
+
+def _round_up(x: float) -> float:
+    return math.ceil(x * 100 - 1e-9) / 100
+
+
+@dataclasses.dataclass
+class FactorChoice:
+    target_rerun_rate: float
+    capacity_factor: float
+    buffer_size_factor_cuda: float
+    buffer_size_factor_cpu: float
+    rerun_rate_capacity: float  # fraction of profiled steps over the capacity factor
+    rerun_rate_stash: float  # fraction of profiled steps overflowing cuda + cpu pools
+    spill_rate: float  # fraction of steps spilling to the host tier (no rerun)
+    static_bytes: int | None  # expert buffers' saved activations without stashing
+    pool_bytes: int | None  # CUDA pool
+    host_pool_bytes: int | None
+
+
+def recommend(
+    profile: RoutingProfile,
+    target_rerun_rate: float = 0.01,
+    *,
+    host_spill: bool = False,
+    bytes_per_token: int | None = None,
+    num_layers: int | None = None,
+) -> FactorChoice:
+    """Factors whose profiled rerun rate is at most ``target_rerun_rate``.
+
+    With ``host_spill`` the CUDA factor covers the median step and a host tier covers the rest
+    up to the target quantile (spilling costs bandwidth, not a rerun).
+    """
+    if not 0 <= target_rerun_rate < 1:
+        raise ValueError(f"target_rerun_rate must be in [0, 1), got {target_rerun_rate}")
+    cap_needs, buf_needs = profile.capacity_needs(), profile.buffer_needs()
+    q = 1 - target_rerun_rate
+    cap = _round_up(max(1.0, _quantile(cap_needs, q)))
+    total = _round_up(_quantile(buf_needs, q))
+    cuda, cpu = (_round_up(_quantile(buf_needs, 0.5)), 0.0) if host_spill else (total, 0.0)
+    if host_spill:
+        cpu = _round_up(max(0.0, total - cuda))
+    n = len(cap_needs)
+    s_bytes = None
+    if bytes_per_token is not None:
+        layers = num_layers if num_layers is not None else len(profile.tokens[0])
+        s_bytes = profile.balanced * bytes_per_token * layers
+    return FactorChoice(
+        target_rerun_rate=target_rerun_rate,
+        capacity_factor=cap,
+        buffer_size_factor_cuda=cuda,
+        buffer_size_factor_cpu=cpu,
+        rerun_rate_capacity=sum(c > cap for c in cap_needs) / n,
+        rerun_rate_stash=sum(b > cuda + cpu for b in buf_needs) / n,
+        spill_rate=sum(cuda < b <= cuda + cpu for b in buf_needs) / n,
+        static_bytes=None if s_bytes is None else math.ceil(cap * s_bytes),
+        pool_bytes=None if s_bytes is None else math.ceil(cuda * s_bytes),
+        host_pool_bytes=None if s_bytes is None else math.ceil(cpu * s_bytes),
+    )
+
+
+def stashed_bytes_per_token(
+    hidden: int, ffn: int, *, gated: bool = True, itemsize: int = 2, fp8: bool = False
+) -> int:
+    """Bytes the expert MLP saves per routed token: FC1 input (H), activation input (2F gated),
+    probability (4 bytes, fp32), FC2 input (F). FP8 storage keeps one byte per element (plus
+    MXFP8 scales, ignored here: 1/32 of a byte per element)."""
+    size = 1 if fp8 else itemsize
+    act_in = (2 if gated else 1) * ffn
+    return (hidden + act_in + ffn) * size + 4
+
+
+@dataclasses.dataclass(frozen=True)
+class NamedConfig:
+    name: str
+    hidden: int
+    ffn: int
+    num_experts: int
+    top_k: int
+    moe_layers: int
+
+
+NAMED_CONFIGS = {
+    "deepseek-v3": NamedConfig(
+        "deepseek-v3", hidden=7168, ffn=2048, num_experts=256, top_k=8, moe_layers=58
+    ),
+}
+
+
+def named_sizes(
+    cfg: NamedConfig,
+    *,
+    seq: int,
+    batch: int,
+    ep: int,
+    capacity_factor: float,
+    buffer_factor: float,
+    layers: int | None = None,
+    ring_of_experts: bool = False,
+    itemsize: int = 2,
+) -> dict[str, float]:
+    """Sizes per rank, in bytes, for a model with no run.
+
+    ``ring_of_experts`` reproduces MaxText's layout (every rank's buffer holds the tokens of
+    all EP ranks: worst case ``batch·EP·seq·k`` rows, of which ``1/EP`` are expected);
+    otherwise a rank's balanced load is ``batch·seq·k`` rows and its static buffer
+    ``capacity_factor`` times that (Megatron's HybridEP budget).
+    """
+    layers = cfg.moe_layers if layers is None else layers
+    if ring_of_experts:
+        worst = batch * ep * seq * cfg.top_k
+        balanced = worst // ep
+    else:
+        balanced = batch * seq * cfg.top_k
+        worst = math.ceil(balanced * capacity_factor)
+    row = cfg.hidden * itemsize  # one saved activation of width H, e.g. the FC2 output
+    per_token = stashed_bytes_per_token(cfg.hidden, cfg.ffn, itemsize=itemsize)
+    s_bytes = balanced * per_token * layers
+    return {
+        "worst_case_rows": worst,
+        "balanced_rows": balanced,
+        "hidden_row_bytes_per_layer_static": worst * row,
+        "hidden_row_bytes_all_layers_static": worst * row * layers,
+        "hidden_row_bytes_all_layers_balanced": balanced * row * layers,
+        "mlp_saved_bytes_static": (worst / balanced) * s_bytes,
+        "mlp_saved_bytes_pool": buffer_factor * s_bytes,
+        "S_bytes": s_bytes,
+        "predicted_saving_bytes": (worst / balanced - buffer_factor) * s_bytes,
+    }

@@ -1,0 +1,108 @@
+"""The buffer planner's arithmetic on synthetic routing profiles and the seeds' figures."""
+
+from __future__ import annotations
+
+import pytest
+
+from te_paged.runtime.planner import (
+    NAMED_CONFIGS,
+    RoutingProfile,
+    named_sizes,
+    recommend,
+    stashed_bytes_per_token,
+)
+
+GiB = 2**30
+
+
+def profile(steps) -> RoutingProfile:
+    # 4 experts on 2 ranks, 8 tokens x top-2 per rank: balanced 16 rows per rank.
+    return RoutingProfile(num_experts=4, ep_size=2, top_k=2, tokens_per_rank=8, tokens=steps)
+
+
+def test_per_step_needs() -> None:
+    p = profile(
+        [
+            [[8, 8, 8, 8], [8, 8, 8, 8]],  # balanced: needs 1.0 / 1.0
+            [[16, 8, 4, 4], [4, 4, 8, 8]],  # rank 0 gets 24 in layer 0: capacity 1.5; pool 32/32
+        ]
+    )
+    assert p.capacity_needs() == [1.0, 1.5]
+    assert p.buffer_needs() == [1.0, 1.0]  # the shared pool absorbs the one skewed layer
+
+
+def test_recommendation_covers_the_target_quantile() -> None:
+    steps = [[[8, 8, 8, 8]]] * 95 + [[[20, 8, 2, 2]]] * 5  # 5 % of steps need capacity 1.75
+    choice = recommend(profile(steps), target_rerun_rate=0.05)
+    assert choice.capacity_factor == 1.0 and choice.rerun_rate_capacity == pytest.approx(0.05)
+    strict = recommend(profile(steps), target_rerun_rate=0.0)
+    assert strict.capacity_factor == 1.75 and strict.rerun_rate_capacity == 0.0
+    assert strict.buffer_size_factor_cuda == 1.75 and strict.rerun_rate_stash == 0.0
+
+
+def test_host_spill_splits_the_pool_between_tiers() -> None:
+    steps = [[[8, 8, 8, 8]]] * 60 + [[[20, 8, 2, 2]]] * 40
+    choice = recommend(profile(steps), target_rerun_rate=0.0, host_spill=True)
+    assert choice.buffer_size_factor_cuda == 1.0 and choice.buffer_size_factor_cpu == 0.75
+    assert choice.spill_rate == pytest.approx(0.4) and choice.rerun_rate_stash == 0.0
+
+
+def test_memory_of_each_choice() -> None:
+    steps = [[[8, 8, 8, 8]] * 3]
+    choice = recommend(profile(steps), 0.0, bytes_per_token=100)
+    s = 16 * 100 * 3
+    assert (choice.static_bytes, choice.pool_bytes, choice.host_pool_bytes) == (s, s, 0)
+
+
+def test_profile_files_round_trip(tmp_path) -> None:
+    p = profile([[[1, 2, 3, 4], [4, 3, 2, 1]]])
+    p.to_json(tmp_path / "r.json")
+    assert RoutingProfile.load(tmp_path / "r.json") == p
+    rows = ["#4,2,2,8", "step,layer,expert,tokens"]
+    rows += [f"0,{layer},{e},{n}" for layer, c in enumerate(p.tokens[0]) for e, n in enumerate(c)]
+    (tmp_path / "r.csv").write_text("\n".join(rows))
+    assert RoutingProfile.load(tmp_path / "r.csv") == p
+    with pytest.raises(ValueError, match=r"\.json or \.csv"):
+        RoutingProfile.load(tmp_path / "r.txt")
+
+
+def test_profile_validation() -> None:
+    with pytest.raises(ValueError, match="not divisible"):
+        RoutingProfile(num_experts=5, ep_size=2, top_k=1, tokens_per_rank=1, tokens=[[[1] * 5]])
+    with pytest.raises(ValueError, match="has 3 experts"):
+        profile([[[1, 2, 3]]])
+    with pytest.raises(ValueError, match="target_rerun_rate"):
+        recommend(profile([[[1, 1, 1, 1]]]), 1.0)
+
+
+def test_maxtext_table_for_deepseek_v3() -> None:
+    # The MaxText draft: batch 2, seq 4096, top-8, EP 4, 60 MoE layers, ring of experts.
+    sizes = named_sizes(
+        NAMED_CONFIGS["deepseek-v3"],
+        seq=4096,
+        batch=2,
+        ep=4,
+        capacity_factor=1.0,
+        buffer_factor=1.0,
+        layers=60,
+        ring_of_experts=True,
+    )
+    assert sizes["worst_case_rows"] == 262_144 and sizes["balanced_rows"] == 65_536
+    assert sizes["hidden_row_bytes_per_layer_static"] / GiB == pytest.approx(3.5)
+    assert sizes["hidden_row_bytes_all_layers_static"] / GiB == pytest.approx(210)
+    assert sizes["hidden_row_bytes_all_layers_balanced"] / GiB == pytest.approx(52.5)
+
+
+def test_capacity_model_matches_megatron_arithmetic() -> None:
+    # Megatron's GB300 A/B used capacity 2.0 and pool 1.1: predicted saving (2.0 - 1.1) x S.
+    sizes = named_sizes(
+        NAMED_CONFIGS["deepseek-v3"],
+        seq=4096,
+        batch=1,
+        ep=16,
+        capacity_factor=2.0,
+        buffer_factor=1.1,
+    )
+    s = sizes["S_bytes"]
+    assert sizes["predicted_saving_bytes"] == pytest.approx(0.9 * s)
+    assert stashed_bytes_per_token(7168, 2048) == (7168 + 4096 + 2048) * 2 + 4
