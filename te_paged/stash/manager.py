@@ -30,7 +30,7 @@ from collections.abc import Iterator
 
 import torch
 
-from te_paged.kernels.layout import FLAGS_LEN, META_LEN, Flag, State
+from te_paged.kernels.layout import FLAGS_LEN, META_LEN, Flag, Meta, State, Tier
 from te_paged.kernels.ops import KernelBackend, resolve_backend, stash_copy, stash_pop
 from te_paged.markers import (
     MarkerKind,
@@ -38,6 +38,7 @@ from te_paged.markers import (
     is_checkpoint_without_output_tensor,
 )
 from te_paged.stash.buffer import PagedStashBuffer, StashKey, storage_dtype
+from te_paged.telemetry import TimelineEvent, nvtx_range
 
 __all__ = ["PagedStashManager", "StashMode", "StashStats"]
 
@@ -120,6 +121,7 @@ class PagedStashManager:
         device: torch.device | str = "cpu",
         kernel_backend: KernelBackend | str = KernelBackend.AUTO,
         zero_padding: bool = True,
+        record_timeline: bool = False,
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -147,6 +149,10 @@ class PagedStashManager:
         self._stashes = 0
         self._pops = 0
         self._capture_bytes = 0
+        #: With ``record_timeline``, pool occupancy after every captured-mode stash and pop.
+        #: Each event reads the pool state on the host: telemetry for small runs, not for speed.
+        self.timeline: list[TimelineEvent] | None = [] if record_timeline else None
+        self._live_rows: dict[StashKey, int] = {}
 
     @classmethod
     def from_config(cls, config: object, device: torch.device | str = "cpu") -> PagedStashManager:
@@ -174,6 +180,9 @@ class PagedStashManager:
             buffer.reset()
         self.flags.zero_()
         self._stashes = self._pops = self._capture_bytes = 0
+        self._live_rows.clear()
+        if self.timeline is not None:
+            self.timeline.clear()
         for peak in self._peaks.values():
             peak.live_rows = peak.live_balanced = peak.live_balanced_pages = 0
 
@@ -276,17 +285,11 @@ class PagedStashManager:
             )
         pages_M = torch.empty(-(-max_rows // self.page_size), dtype=torch.int32, device=t.device)
         meta = torch.empty(META_LEN, dtype=torch.int64, device=t.device)
-        stash_copy(
-            self.backend,
-            rows_RH,
-            scope.num_tokens,
-            kind.tokens_per_row,
-            self.page_size,
-            *buffer.kernel_args(),
-            self.flags,
-            pages_M,
-            meta,
-        )
+        args = (*buffer.kernel_args(), self.flags, pages_M, meta)
+        with nvtx_range("te_paged.stash"):
+            stash_copy(self.backend, rows_RH, scope.num_tokens, kind.tokens_per_row,
+                       self.page_size, *args)  # fmt: skip
+        self._trace("stash", buffer, meta)
         return _Paged(
             buffer=buffer,
             max_rows=max_rows,
@@ -339,16 +342,10 @@ class PagedStashManager:
                     dtype=buffer.pool_NH.dtype,
                     device=buffer.device,
                 )
-                stash_pop(
-                    self.backend,
-                    out_RH,
-                    self.page_size,
-                    *buffer.kernel_args(),
-                    self.flags,
-                    handle.pages_M,
-                    handle.meta,
-                    self.zero_padding,
-                )
+                args = (*buffer.kernel_args(), self.flags, handle.pages_M, handle.meta)
+                with nvtx_range("te_paged.pop"):
+                    stash_pop(self.backend, out_RH, self.page_size, *args, self.zero_padding)
+                self._trace("pop", buffer, handle.meta)
                 handle.reloaded = out_RH.view(handle.dtype).view(handle.shape)
                 self._pops += 1
             return handle.reloaded
@@ -374,6 +371,18 @@ class PagedStashManager:
         return handle
 
     # ------------------------------------------------------------------------------ reporting
+
+    def _trace(self, kind: str, buffer: PagedStashBuffer, meta: torch.Tensor) -> None:
+        if self.timeline is None:
+            return
+        state = buffer.state.tolist()
+        rows = int(meta[Meta.ROWS]) if int(meta[Meta.TIER]) == int(Tier.DEVICE) else 0
+        live = self._live_rows.get(buffer.key, 0) + (rows if kind == "stash" else -rows)
+        self._live_rows[buffer.key] = live
+        pages = buffer.num_pages - (state[State.TAIL] - state[State.HEAD])
+        self.timeline.append(
+            TimelineEvent(len(self.timeline), kind, str(buffer.key), pages, live, self.page_size)
+        )
 
     def stats(self) -> StashStats:
         """Read the step's statistics (one device→host copy per pool; not for the hot path)."""

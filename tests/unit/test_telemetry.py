@@ -1,0 +1,68 @@
+"""NVTX ranges through the optional nvtx package, and the pool-occupancy timeline."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+
+import torch
+
+from te_paged import PagedStashManager, mark_grouped_tensor, telemetry
+
+
+def test_nvtx_range_is_a_noop_without_nvtx(monkeypatch) -> None:
+    monkeypatch.setattr(telemetry.importlib.util, "find_spec", lambda name: None)
+    telemetry._nvtx.cache_clear()
+    try:
+        with telemetry.nvtx_range("x"):
+            pass
+        assert telemetry.nvtx_available()[0] is False
+    finally:
+        telemetry._nvtx.cache_clear()
+
+
+def test_nvtx_range_uses_the_nvtx_package(monkeypatch) -> None:
+    seen = []
+
+    @contextlib.contextmanager
+    def annotate(name, domain):
+        seen.append((name, domain))
+        yield
+
+    monkeypatch.setitem(sys.modules, "nvtx", types.SimpleNamespace(annotate=annotate))
+    monkeypatch.setattr(telemetry.importlib.util, "find_spec", lambda name: object())
+    telemetry._nvtx.cache_clear()
+    try:
+        with telemetry.nvtx_range("te_paged.stash"):
+            pass
+    finally:
+        telemetry._nvtx.cache_clear()
+    assert seen == [("te_paged.stash", "te_paged")]
+
+
+class Keep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g + 0 * ctx.saved_tensors[0]
+
+
+def test_timeline_tracks_pages_rows_and_fragmentation() -> None:
+    manager = PagedStashManager(page_size=4, record_timeline=True)
+    for _ in range(2):
+        manager.reset()
+        outs = []
+        for n in (5, 2):
+            t = torch.randn(8, 3, requires_grad=True)
+            mark_grouped_tensor(t)
+            with manager.scope(8, torch.tensor(n), 4):
+                outs.append(Keep.apply(t))
+        sum(o.sum() for o in outs).backward()
+    events = [(e.kind, e.pages_in_use, e.rows_in_use) for e in manager.timeline]
+    assert events == [("stash", 2, 5), ("stash", 3, 7), ("pop", 2, 5), ("pop", 0, 0)]
+    assert abs(manager.timeline[1].fragmentation - (1 - 7 / 12)) < 1e-12
