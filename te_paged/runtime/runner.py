@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from te_paged.kernels.layout import Flag
+from te_paged.runtime.memory import measure_peak
 from te_paged.stash import PagedStashManager
 
 __all__ = ["FallbackLimitError", "PagedStashRunner", "StepRecord"]
@@ -240,15 +241,5 @@ class PagedStashRunner:
         if not self.measure_fallback_memory:
             return step_fn(), None, None
         device = self.manager.device if self.manager is not None else torch.device("cpu")
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            base = torch.cuda.memory_allocated(device)
-            result = step_fn()
-            return result, torch.cuda.max_memory_allocated(device) - base, "cuda allocator peak"
-        from torch.distributed._tools.mem_tracker import MemTracker
-
-        tracker = MemTracker()
-        with tracker:
-            result = step_fn()
-        peak = tracker.get_tracker_snapshot("peak").get(device, {}).get("Total", 0)
-        return result, int(peak), "torch MemTracker peak (dispatch-based)"
+        result, report = measure_peak(step_fn, device)
+        return result, report.peak_bytes, report.method
