@@ -21,25 +21,40 @@ from te_paged.markers import (
     mark_recompute_managed,
     propagate_paged_stash_marker,
 )
-from te_paged.moe import CheckpointWithoutOutput, TEGroupedMLP
+from te_paged.moe import (
+    CheckpointWithoutOutput,
+    MoELayer,
+    RouterOutput,
+    StaticBudgetDispatcher,
+    TEGroupedMLP,
+    TopKRouter,
+)
+from te_paged.runtime import FallbackLimitError, PagedStashRunner, StepRecord
 from te_paged.stash import PagedStashBuffer, PagedStashManager, StashKey, StashMode, StashStats
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointWithoutOutput",
+    "FallbackLimitError",
     "Fp8Recipe",
     "Fp8Tensor",
     "GroupedLinear",
     "GroupedTensor",
     "KernelBackend",
     "MoEConfig",
+    "MoELayer",
     "PagedStashBuffer",
     "PagedStashManager",
+    "PagedStashRunner",
+    "RouterOutput",
     "StashKey",
     "StashMode",
     "StashStats",
+    "StaticBudgetDispatcher",
+    "StepRecord",
     "TEGroupedMLP",
+    "TopKRouter",
     "is_checkpoint_without_output_tensor",
     "is_grouped_tensor_marked",
     "make_grouped_linear",

@@ -1,7 +1,22 @@
-"""MoE expert modules: ``TEGroupedMLP`` and selective recompute."""
+"""MoE modules: ``TEGroupedMLP``, selective recompute, router, dispatcher and ``MoELayer``."""
 
 from te_paged.moe.config_adapter import as_moe_config
+from te_paged.moe.dispatcher import DispatchHandle, StaticBudgetDispatcher, static_budget
 from te_paged.moe.experts import TEGroupedMLP
+from te_paged.moe.layer import MoELayer, init_expert_weights_
 from te_paged.moe.recompute import CheckpointWithoutOutput
+from te_paged.moe.router import RouterOutput, RoutingSkew, TopKRouter
 
-__all__ = ["CheckpointWithoutOutput", "TEGroupedMLP", "as_moe_config"]
+__all__ = [
+    "CheckpointWithoutOutput",
+    "DispatchHandle",
+    "MoELayer",
+    "RouterOutput",
+    "RoutingSkew",
+    "StaticBudgetDispatcher",
+    "TEGroupedMLP",
+    "TopKRouter",
+    "as_moe_config",
+    "init_expert_weights_",
+    "static_budget",
+]

@@ -120,14 +120,15 @@ class PagedStashRunner:
             for key, buf in self.manager.buffers.items():
                 keys.append(str(key))
                 hwm.append(buf.state[2].to(device))  # State.HWM
-        over = zero
-        peak = zero
+        over = peak = peak_pair = zero
         for layer in self.layers:
             d = layer.dispatcher
             over = over + (d.over_budget > 0).long().to(device)
             peak = torch.maximum(peak, d.peak_tokens.to(device).long())
+            peak_pair = torch.maximum(peak_pair, d.peak_pair_tokens.to(device).long())
         flags = torch.stack([overflow, (over > 0).long(), spill])
-        return torch.cat([flags, peak.reshape(1), *(h.reshape(1) for h in hwm)]), keys
+        stats = [peak.reshape(1), peak_pair.reshape(1), *(h.reshape(1) for h in hwm)]
+        return torch.cat([flags, *stats]), keys
 
     def _reduce(self) -> tuple[list[int], list[list[int]], list[str]]:
         device = self.manager.device if self.manager is not None else torch.device("cpu")
@@ -161,7 +162,7 @@ class PagedStashRunner:
         if not self.layers:
             return 0, 0
         d = self.layers[0].dispatcher
-        return int(d.max_num_tokens), int(d.balanced_tokens)
+        return int(d.budget_tokens), int(d.last_num_tokens * d.config.moe_router_topk)
 
     def step(self, step_fn: Callable[[], Any]) -> tuple[Any, StepRecord]:
         """Run ``step_fn`` (forward + backward over the step's microbatches); rerun once,
@@ -173,7 +174,8 @@ class PagedStashRunner:
         (overflow, overbudget, spill), per_rank, keys = self._reduce()
         budget, balanced = self._budget()
         peak_tokens = max((r[0] for r in per_rank), default=0)
-        hwm = {k: max(r[1 + i] for r in per_rank) for i, k in enumerate(keys)}
+        peak_pair = max((r[1] for r in per_rank), default=0)
+        hwm = {k: max(r[2 + i] for r in per_rank) for i, k in enumerate(keys)}
         record = StepRecord(
             step=self.step_index, attempt=1, enabled=self._stash_enabled(),
             stash_overflow_ranks=overflow, overbudget_ranks=overbudget, host_spill_ranks=spill,
@@ -182,7 +184,7 @@ class PagedStashRunner:
             balanced_tokens=balanced,
         )  # fmt: skip
         if record.will_retry:
-            self._suggest(record)
+            self._suggest(record, peak_pair)
             if self.consecutive_fallbacks >= self.max_consecutive_fallbacks:
                 raise FallbackLimitError(
                     f"{self.consecutive_fallbacks} consecutive steps needed the dropless "
@@ -208,10 +210,14 @@ class PagedStashRunner:
             return {}
         return {str(k): b.num_pages for k, b in self.manager.buffers.items()}
 
-    def _suggest(self, record: StepRecord) -> None:
-        if record.balanced_tokens:
-            needed = record.peak_tokens / record.balanced_tokens
-            record.suggested_capacity_factor = math.ceil(100 * needed * _MARGIN) / 100
+    def _suggest(self, record: StepRecord, peak_pair_tokens: int) -> None:
+        if record.overbudget_ranks and self.layers:
+            d = self.layers[0].dispatcher
+            # The dispatcher's budget is per (source, destination) pair: size from that peak.
+            fit = d.fitting_capacity_factor(
+                d.last_num_tokens, math.ceil(peak_pair_tokens * _MARGIN)
+            )
+            record.suggested_capacity_factor = fit
         if self.manager is not None and record.stash_overflow_ranks:
             # The pool holds factor x (balanced pages of the live tensors); each tensor really
             # needs (its tokens / balanced) of that. Assuming every layer at the step's peak

@@ -1,0 +1,357 @@
+"""``StaticBudgetDispatcher``: expert-parallel token exchange with a static, sync-free budget.
+
+Shape suffixes: ``N`` local tokens, ``K`` top-k, ``A = N·K`` (token, k) assignments, ``H``
+hidden, ``P`` ranks of the expert-parallel group, ``L`` local experts (``E / P``), ``C`` pair
+capacity (rows one rank may send to one rank), ``S = P·C`` slots of a send/receive buffer,
+``T`` rows handed to the experts (``S`` in static mode, the real rows in dropless mode).
+
+Global expert ``e`` lives on rank ``e // L`` as local expert ``e % L``.
+
+**Budget (static mode).** Per rank ``max_num_tokens = config.max_num_tokens(N)`` (``N·K·cf``
+rounded up, MXFP8 to 32), rounded up again to a multiple of ``lcm(P, 32 if MXFP8 else 1)`` so
+that it splits into ``P`` equal pair budgets ``C = max_num_tokens / P`` and stays MXFP8-aligned.
+The budget is *per (source, destination) pair*: a rank may send at most ``C`` assignments to
+each rank, so a rank never receives more than ``P·C = max_num_tokens`` rows. An assignment whose
+position among its source's assignments to that destination is ``>= C`` is dropped from this
+attempt, counted on the *source* rank in :attr:`~StaticBudgetDispatcher.over_budget` and
+:attr:`~StaticBudgetDispatcher.dropped_tokens` (device int64), and the runner reruns the step.
+
+**Dispatch**::
+
+    slot of (n, k) = dest·C + position       (position: cumsum over a [A, P] one-hot, in
+                                              token-major (n, k) order; over C → dropped)
+    send_SH, probs_S, local_expert_S         (empty slots: zero row, zero prob, sentinel L)
+    ── all_to_all_single (equal splits) ──▶  recv_SH (block s = rows from source rank s)
+    stable sort by local expert (sentinel L last)
+    ─▶ permuted_TH, tokens_per_expert_L, permuted_probs_T
+
+Permutation order of the real rows: (local expert, source rank, source token, k). The dropless
+mode (``capacity_factor=None``) runs the same code with ``C`` = the largest pair count over the
+group (one host read plus an ``all_reduce(MAX)``) and strips the padding (keeping, with MXFP8,
+zero rows up to a multiple of 32), so when nothing is dropped both modes hand the experts the
+same rows in the same order, bit for bit.
+
+**Combine** (TEGroupedMLP already weighted each row by its probability, so this is an
+*unweighted* sum): inverse permutation, all-to-all back, gather each assignment's row (dropped
+ones read a zero row) and ``sum`` over the K slots of ``[N, K, H]`` — a fixed-order reduction,
+no atomics. Every step is differentiable; the all-to-all's backward is the reverse all-to-all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from te_paged.config import Fp8Recipe, MoEConfig
+from te_paged.config.moe_config import MXFP8_BLOCK_SIZE
+from te_paged.moe.config_adapter import as_moe_config
+
+__all__ = ["DispatchHandle", "StaticBudgetDispatcher", "static_budget"]
+
+
+class _FromConfig:
+    def __repr__(self) -> str:
+        return "<from config>"
+
+
+#: Default of ``capacity_factor``: use ``config.moe_expert_rank_capacity_factor``.
+FROM_CONFIG = _FromConfig()
+
+
+def static_budget(config: MoEConfig, num_tokens: int, ep_size: int) -> tuple[int, int]:
+    """``(max_num_tokens, pair_capacity)`` of one rank with ``num_tokens`` local tokens.
+
+    Example: 100 tokens, top-2, factor 1.1, 4 ranks: 220 rows → 220 (a multiple of 4), pair
+    capacity 55; with MXFP8, 220 → 224 (lcm(4, 32) = 32), pair capacity 56.
+    """
+    rows = config.max_num_tokens(num_tokens)
+    align = ep_size
+    if config.fp8 == Fp8Recipe.MXFP8.value:
+        align = math.lcm(ep_size, MXFP8_BLOCK_SIZE)
+    rows = -(-rows // align) * align
+    return rows, rows // ep_size
+
+
+def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x.contiguous(), group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """Equal-split ``all_to_all_single`` along dim 0: block ``s`` of the output on rank ``r`` is
+    block ``r`` of the input on rank ``s``. ``[S, ...] → [S, ...]``.
+
+    Backward is the same exchange applied to the gradient (it is its own inverse pattern).
+    Saves nothing for backward (0 bytes). gloo has no autograd for collectives, hence this.
+    """
+
+    @staticmethod
+    def forward(ctx, x_S: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _all_to_all(x_S, group)
+
+    @staticmethod
+    def backward(ctx, grad_S: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_to_all(grad_S, ctx.group), None
+
+
+def _resize_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """The first ``rows`` rows of ``t``, zero rows appended when it has fewer."""
+    if t.shape[0] >= rows:
+        return t[:rows]
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
+@dataclasses.dataclass
+class DispatchHandle:
+    """What :meth:`StaticBudgetDispatcher.combine` needs to undo one dispatch.
+
+    ``slot_A``: each assignment's send slot (``S`` = dropped, reads a zero row);
+    ``inverse_S``: position in the expert-ordered rows of each received slot;
+    ``rows``: ``S = P·C``; ``num_out_rows``: ``T`` (rows handed to the experts).
+    """
+
+    num_tokens: int
+    topk: int
+    hidden: int
+    rows: int
+    num_out_rows: int
+    slot_A: torch.Tensor
+    inverse_S: torch.Tensor
+    dropless: bool
+
+
+class StaticBudgetDispatcher(nn.Module):
+    """Token exchange between the ranks of ``ep_group`` (``None``: one process, no collectives).
+
+    ``dispatch(x_NH, probs_NK, indices_NK) -> (permuted_TH, tokens_per_expert_L,
+    permuted_probs_T, handle)`` and ``combine(expert_out_TH, handle) -> y_NH``.
+
+    Device counters (int64 0-dim buffers, so ``.to(device)`` moves them; ``reset_flags()``
+    zeroes them, nothing here reads them on the host):
+
+    * ``over_budget``: dispatches on this rank that dropped at least one assignment;
+    * ``dropped_tokens``: assignments dropped on this rank (as the source);
+    * ``peak_tokens``: the most rows this rank's experts were asked to take in one dispatch
+      (before any drop), to compare with ``budget_tokens`` (host int, ``P·C`` of the last
+      static dispatch);
+    * ``peak_pair_tokens``: the most assignments this rank wanted to send to one rank, to
+      compare with ``pair_capacity`` (host int ``C``); :meth:`fitting_capacity_factor` turns
+      it into the smallest capacity factor that would have fitted.
+    """
+
+    def __init__(
+        self,
+        config: object,
+        ep_group: dist.ProcessGroup | None = None,
+        *,
+        capacity_factor: float | _FromConfig | None = FROM_CONFIG,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        cfg = as_moe_config(config)
+        self.config, self.group = cfg, ep_group
+        if capacity_factor is FROM_CONFIG:
+            capacity_factor = cfg.moe_expert_rank_capacity_factor
+        # The budget is computed by MoEConfig (it validates the factor and keeps the exact
+        # decimal arithmetic) on a copy that carries this dispatcher's factor.
+        self._budget_config: MoEConfig | None = None
+        if capacity_factor is not None:
+            self._budget_config = dataclasses.replace(
+                cfg, moe_expert_rank_capacity_factor=capacity_factor
+            )
+        self.ep_size = 1 if ep_group is None else dist.get_world_size(ep_group)
+        self.ep_rank = 0 if ep_group is None else dist.get_rank(ep_group)
+        experts, cfg_ep = cfg.num_moe_experts, cfg.expert_model_parallel_size
+        if experts % self.ep_size:
+            raise ValueError(
+                f"num_moe_experts={experts} is not divisible by the expert-parallel group size "
+                f"{self.ep_size}; use a group whose size divides the number of experts"
+            )
+        if cfg_ep not in (1, self.ep_size):
+            raise ValueError(
+                f"config.expert_model_parallel_size={cfg_ep} but ep_group has {self.ep_size} "
+                f"ranks; set expert_model_parallel_size={self.ep_size} (or leave it 1)"
+            )
+        self.num_local_experts = experts // self.ep_size
+        self._dropless = False
+        self.budget_tokens = 0
+        self.pair_capacity = 0
+        self.last_num_tokens = 0
+        for name in ("over_budget", "dropped_tokens", "peak_tokens", "peak_pair_tokens"):
+            zero = torch.zeros((), dtype=torch.int64, device=device)
+            self.register_buffer(name, zero, persistent=False)
+
+    # -------------------------------------------------------------------------------- settings
+
+    @property
+    def capacity_factor(self) -> float | None:
+        """The static budget's factor; ``None``: always dropless."""
+        cfg = self._budget_config
+        return None if cfg is None else cfg.moe_expert_rank_capacity_factor
+
+    @property
+    def dropless(self) -> bool:
+        """True when the exchange is sized from the routing (also without a capacity factor)."""
+        return self._dropless or self.capacity_factor is None
+
+    def set_dropless(self, dropless: bool) -> None:
+        """Switch to the dropless reference (the runner's rerun) and back. Without a capacity
+        factor the dispatcher stays dropless whatever this says."""
+        self._dropless = bool(dropless)
+
+    def reset_flags(self) -> None:
+        """Zero the device counters in place (allocation-free, sync-free)."""
+        for t in (self.over_budget, self.dropped_tokens, self.peak_tokens, self.peak_pair_tokens):
+            t.zero_()
+
+    def fitting_capacity_factor(self, num_tokens: int, peak_pair_tokens: int) -> float:
+        """Smallest capacity factor, in steps of 0.01, whose pair capacity for ``num_tokens``
+        local tokens holds ``peak_pair_tokens`` (a host int, e.g. the group-wide maximum of
+        :attr:`peak_pair_tokens` read once by the runner)."""
+        topk = self.config.moe_router_topk
+        balanced = max(1, num_tokens * topk)
+        factor = max(0.01, math.ceil(100 * peak_pair_tokens * self.ep_size / balanced) / 100)
+        while True:  # the estimate ignores rounding; step up until the real budget fits
+            cfg = dataclasses.replace(self.config, moe_expert_rank_capacity_factor=factor)
+            if static_budget(cfg, num_tokens, self.ep_size)[1] >= peak_pair_tokens:
+                return factor
+            factor = round(factor + 0.01, 2)
+
+    # -------------------------------------------------------------------------------- dispatch
+
+    def _check_inputs(self, x_NH: torch.Tensor, probs_NK: torch.Tensor, idx_NK: torch.Tensor):
+        cfg = self.config
+        if x_NH.dim() != 2 or x_NH.shape[1] != cfg.hidden_size or x_NH.shape[0] == 0:
+            raise ValueError(f"x must be [tokens >= 1, {cfg.hidden_size}], got {tuple(x_NH.shape)}")
+        want = (x_NH.shape[0], cfg.moe_router_topk)
+        for name, t in (("probs", probs_NK), ("indices", idx_NK)):
+            if tuple(t.shape) != want:
+                raise ValueError(
+                    f"{name} must be [tokens, moe_router_topk] = {list(want)}, got "
+                    f"{list(t.shape)}: pass the router's output for the same tokens"
+                )
+        if idx_NK.dtype.is_floating_point or idx_NK.dtype == torch.bool:
+            raise TypeError(f"indices must be an integer tensor, got {idx_NK.dtype}")
+
+    def _exchange(self, t: torch.Tensor, differentiable: bool) -> torch.Tensor:
+        if self.group is None or self.ep_size == 1:
+            return t
+        return _AllToAll.apply(t, self.group) if differentiable else _all_to_all(t, self.group)
+
+    def _dropless_capacity(self, demand_P: torch.Tensor) -> int:
+        """Largest pair count over the group: the one host read of the dropless mode."""
+        peak = demand_P.max()
+        if self.group is not None and self.ep_size > 1:
+            peak = peak.clone()
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.group)
+        return int(peak)
+
+    def dispatch(
+        self, x_NH: torch.Tensor, probs_NK: torch.Tensor, indices_NK: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DispatchHandle]:
+        """Send every (token, k) assignment to its expert's rank; group rows by local expert.
+
+        ``indices_NK`` are global expert ids in ``[0, num_moe_experts)`` (not checked on the
+        host: that would be a sync). Returns expert-grouped, prefix-packed rows ``[T, H]``
+        (static mode: ``T = max_num_tokens``, padding rows zero with zero probability),
+        ``tokens_per_expert`` int64 ``[L]`` on the device, the probabilities ``[T]`` and the
+        handle for :meth:`combine`.
+        """
+        self._check_inputs(x_NH, probs_NK, indices_NK)
+        n, k = indices_NK.shape
+        hidden, p, local = x_NH.shape[1], self.ep_size, self.num_local_experts
+        a, dev = n * k, x_NH.device
+        idx_A = indices_NK.reshape(a).to(torch.int64)
+        dest_A = torch.div(idx_A, local, rounding_mode="floor")
+        local_A = idx_A - dest_A * local
+        # Position of each assignment among this rank's assignments to the same destination,
+        # in (n, k) order. e.g. P=2, dest = [1, 0, 1, 1] → position [0, 0, 1, 2].
+        hit_AP = (dest_A.unsqueeze(1) == torch.arange(p, device=dev)).to(torch.int64)
+        cum_AP = hit_AP.cumsum(0)
+        pos_A = cum_AP.gather(1, dest_A.unsqueeze(1)).squeeze(1) - 1
+        demand_P = cum_AP[-1]
+
+        dropless = self.dropless
+        if dropless:
+            cap = self._dropless_capacity(demand_P)
+        else:
+            self.budget_tokens, cap = static_budget(self._budget_config, n, p)
+            self.pair_capacity = cap
+        self.last_num_tokens = n
+        rows = p * cap
+        keep_A = pos_A < cap
+        slot_A = torch.where(keep_A, dest_A * cap + pos_A, rows)
+        if not dropless:
+            dropped = a - keep_A.sum()
+            self.dropped_tokens.add_(dropped)
+            self.over_budget.add_((dropped > 0).to(torch.int64))
+        torch.maximum(self.peak_pair_tokens, demand_P.max(), out=self.peak_pair_tokens)
+
+        # Inverse map: the assignment in each send slot, `a` (→ a zero row) for empty slots.
+        # Only the dummy slot `rows` receives duplicate writes, and it is cut off.
+        src_S = torch.full((rows + 1,), a, dtype=torch.int64, device=dev)
+        src_S = src_S.scatter_(0, slot_A, torch.arange(a, device=dev))[:rows]
+        # [A+1, H] with a zero last row; expanding (not indexing by token) keeps the backward
+        # a sum over the K slots of each token instead of an atomic scatter-add.
+        x_AH = x_NH.new_zeros(a + 1, hidden)
+        x_AH[:a].view(n, k, hidden).copy_(x_NH.unsqueeze(1).expand(n, k, hidden))
+        p_A = torch.cat([probs_NK.reshape(a), probs_NK.new_zeros(1)])
+        e_A = torch.cat([local_A, local_A.new_full((1,), local)])  # sentinel: after every expert
+        send_SH = x_AH.index_select(0, src_S)
+        send_S = p_A.index_select(0, src_S)
+        # The pair's demand rides along as an extra column: the receiver learns its peak load.
+        meta_PC = torch.cat([e_A.index_select(0, src_S).view(p, cap), demand_P.view(p, 1)], 1)
+
+        recv_SH = self._exchange(send_SH, differentiable=True)
+        recv_S = self._exchange(send_S, differentiable=True)
+        meta_PC = self._exchange(meta_PC, differentiable=False)
+        expert_S = meta_PC[:, :cap].reshape(rows)
+        torch.maximum(self.peak_tokens, meta_PC[:, cap].sum(), out=self.peak_tokens)
+
+        # Stable: equal experts keep the receive order, i.e. (source rank, source (n, k)).
+        order_S = torch.sort(expert_S, stable=True).indices
+        inverse_S = torch.empty_like(order_S).scatter_(0, order_S, torch.arange(rows, device=dev))
+        counts = torch.zeros(local + 1, dtype=torch.int64, device=dev)
+        tokens_per_expert_L = counts.scatter_add_(0, expert_S, torch.ones_like(expert_S))[:local]
+        permuted_TH = recv_SH.index_select(0, order_S)
+        permuted_T = recv_S.index_select(0, order_S)
+        out_rows = rows
+        if dropless:
+            out_rows = int(tokens_per_expert_L.sum())  # host read: dropless mode only
+            if self.config.fp8 == Fp8Recipe.MXFP8.value:  # whole scale blocks, zero-padded
+                out_rows = -(-out_rows // MXFP8_BLOCK_SIZE) * MXFP8_BLOCK_SIZE
+            permuted_TH = _resize_rows(permuted_TH, out_rows)
+            permuted_T = _resize_rows(permuted_T, out_rows)
+        handle = DispatchHandle(n, k, hidden, rows, out_rows, slot_A, inverse_S, dropless)
+        return permuted_TH, tokens_per_expert_L, permuted_T, handle
+
+    # --------------------------------------------------------------------------------- combine
+
+    def combine(self, expert_out_TH: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """``y_NH[n] = Σ_k out(n, k)``: the inverse of :meth:`dispatch`, unweighted (the experts
+        applied the probabilities). Dropped assignments contribute 0."""
+        h = handle
+        if tuple(expert_out_TH.shape) != (h.num_out_rows, h.hidden):
+            raise ValueError(
+                f"expert output must be [{h.num_out_rows}, {h.hidden}] like the dispatched "
+                f"rows, got {tuple(expert_out_TH.shape)}"
+            )
+        # Dropless: the stripped padding comes back as zeros (or MXFP8 padding is cut).
+        out_SH = _resize_rows(expert_out_TH, h.rows)
+        back_SH = self._exchange(out_SH.index_select(0, h.inverse_S), differentiable=True)
+        back_SH = torch.cat([back_SH, back_SH.new_zeros(1, h.hidden)])  # row S: dropped
+        y_AH = back_SH.index_select(0, h.slot_A)
+        return y_AH.view(h.num_tokens, h.topk, h.hidden).sum(1)
+
+    def extra_repr(self) -> str:
+        return (
+            f"ep_size={self.ep_size}, ep_rank={self.ep_rank}, local_experts="
+            f"{self.num_local_experts}, capacity_factor={self.capacity_factor}, "
+            f"dropless={self.dropless}"
+        )

@@ -1,0 +1,161 @@
+"""``MoELayer``: router → static-budget dispatcher → ``TEGroupedMLP`` → combine.
+
+Shape suffixes: ``N`` tokens (all leading dimensions of the input, flattened), ``H`` hidden,
+``K`` top-k, ``T`` rows handed to the local experts.
+
+    x_NH ─ TopKRouter ─ probs_NK, indices_NK
+         ─ StaticBudgetDispatcher.dispatch ─ permuted_TH, tokens_per_expert, probs_T
+         ─ TEGroupedMLP (probability-weighted, paged stash) ─ out_TH
+         ─ StaticBudgetDispatcher.combine ─ y_NH
+
+Initialisation is expert-parallel invariant when a ``seed`` is given
+(:func:`init_expert_weights_`): the router weight comes from one generator seeded by ``seed``
+and each expert's weights from a generator seeded by ``(seed, global expert id)``, always on
+the CPU, so an EP=1 layer and the EP=4 layers built with the same seed hold the same weights.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from te_paged.moe.config_adapter import as_moe_config
+from te_paged.moe.dispatcher import FROM_CONFIG, StaticBudgetDispatcher
+from te_paged.moe.experts import TEGroupedMLP
+from te_paged.moe.router import ScoreFunction, TopKRouter
+from te_paged.stash import PagedStashManager
+
+__all__ = ["MoELayer", "init_expert_weights_"]
+
+# Mixes (seed, stream, expert) into one generator seed; the constants are arbitrary odd primes.
+_MIX_SEED, _MIX_STREAM = 1_000_003, 7_919
+
+
+def _generator(seed: int, stream: int, expert: int = 0) -> torch.Generator:
+    mixed = (seed * _MIX_SEED + stream * _MIX_STREAM + expert) % (2**63 - 1)
+    return torch.Generator().manual_seed(mixed)
+
+
+def init_expert_weights_(layer: MoELayer, seed: int) -> MoELayer:
+    """Re-initialise ``layer``'s router and experts from ``seed``, EP-invariantly (in place).
+
+    Router: ``N(0, 0.02²)`` from stream 0. Expert ``e`` (global id ``ep_rank · L + j`` for
+    local expert ``j``): FC1 then FC2 weight, kaiming-uniform (``a = √5``, as ``nn.Linear``),
+    from its own generator; biases zero. Returns the layer.
+    """
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    layer.router.reset_parameters(_generator(seed, 0))
+    first = layer.dispatcher.ep_rank * layer.dispatcher.num_local_experts
+    with torch.no_grad():
+        for stream, linear in ((1, layer.experts.linear_fc1), (2, layer.experts.linear_fc2)):
+            weights = [w_OI for w in linear.weight_params() for w_OI in w.view(-1, *w.shape[-2:])]
+            for j, w_OI in enumerate(weights):
+                cpu = torch.empty(w_OI.shape, dtype=torch.float32)
+                nn.init.kaiming_uniform_(cpu, a=math.sqrt(5), generator=_generator(
+                    seed, stream, first + j))  # fmt: skip
+                w_OI.copy_(cpu)
+            for b in linear.bias_params():
+                b.zero_()
+    return layer
+
+
+class MoELayer(nn.Module):
+    """An expert-parallel MoE layer, usable inside any ``nn.Module``.
+
+    ``MoELayer(config, ep_group=None, manager=None, *, device=None, seed=None,
+    score_function="softmax", expert_bias=False, aux_loss_coeff=0.0, capacity_factor=<from
+    config>)``; ``forward(x [..., H]) -> (y [..., H], aux_loss)``.
+
+    ``manager`` is the :class:`PagedStashManager` shared by the model's layers (with
+    ``moe_paged_stash`` and none given, the experts own one). ``seed`` makes the weights
+    EP-invariant (see :func:`init_expert_weights_`); without it they come from torch's default
+    generator (the same on every rank after ``torch.manual_seed``, but not EP-invariant for
+    the experts).
+    """
+
+    def __init__(
+        self,
+        config: object,
+        ep_group: dist.ProcessGroup | None = None,
+        manager: PagedStashManager | None = None,
+        *,
+        device: torch.device | str | None = None,
+        seed: int | None = None,
+        score_function: ScoreFunction | str = ScoreFunction.SOFTMAX,
+        expert_bias: bool = False,
+        aux_loss_coeff: float = 0.0,
+        capacity_factor: float | object | None = FROM_CONFIG,
+    ) -> None:
+        super().__init__()
+        cfg = as_moe_config(config)
+        self.config = cfg
+        self.router = TopKRouter(
+            cfg,
+            device=device,
+            score_function=score_function,
+            expert_bias=expert_bias,
+            aux_loss_coeff=aux_loss_coeff,
+        )
+        self.dispatcher = StaticBudgetDispatcher(
+            cfg, ep_group, capacity_factor=capacity_factor, device=device
+        )
+        self.experts = TEGroupedMLP(
+            self.dispatcher.num_local_experts, cfg, manager=manager, device=device
+        )
+        self._stash_disabled_here = False
+        if seed is not None:
+            init_expert_weights_(self, seed)
+
+    @property
+    def manager(self) -> PagedStashManager | None:
+        return self.experts.manager
+
+    @property
+    def dropless(self) -> bool:
+        return self.dispatcher.dropless
+
+    def set_dropless(self, dropless: bool) -> None:
+        """The runner's fallback: ``True`` switches the dispatcher to dropless and turns paged
+        stashing off on the manager; ``False`` restores both.
+
+        Several layers may share one manager: only a layer that actually turned it off turns
+        it back on, so restoring the layers in any order leaves it as it was. Whatever the
+        manager's state, a dropless forward never opens a stash scope (its rows are dynamic).
+        """
+        self.dispatcher.set_dropless(dropless)
+        manager = self.manager
+        if manager is None:
+            return
+        if dropless and manager.enabled:
+            manager.enabled = False
+            self._stash_disabled_here = True
+        elif not dropless and self._stash_disabled_here:
+            manager.enabled = True
+            self._stash_disabled_here = False
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.config.hidden_size
+        if x.dim() < 1 or x.shape[-1] != hidden:
+            raise ValueError(f"x must be [..., {hidden}], got {tuple(x.shape)}")
+        x_NH = x.reshape(-1, hidden)
+        routing = self.router(x_NH)
+        permuted_TH, tokens_per_expert_L, probs_T, handle = self.dispatcher.dispatch(
+            x_NH, routing.probs, routing.indices
+        )
+        manager = self.manager
+        if handle.dropless and manager is not None and manager.enabled:
+            # Dynamic-shaped rows have no static budget to page against: run unstashed. Only
+            # scope opening reads `enabled`, so restoring it right after forward is safe.
+            manager.enabled = False
+            try:
+                out_TH, _ = self.experts(permuted_TH, tokens_per_expert_L, probs_T)
+            finally:
+                manager.enabled = True
+        else:
+            out_TH, _ = self.experts(permuted_TH, tokens_per_expert_L, probs_T)
+        y_NH = self.dispatcher.combine(out_TH, handle)
+        return y_NH.view(x.shape), routing.aux_loss
