@@ -1,13 +1,10 @@
 #!/usr/bin/env bash
-# Create or reuse .venv, install pinned CPU torch first (so no CUDA build is ever resolved),
-# install te_paged with its test extras, then lint and run the whole suite.
-set -euo pipefail
-cd "$(dirname "$0")/.."
-VENV=${VENV:-.venv}
-[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-PY="$VENV/bin/python"
-"$PY" -m pip install -q --disable-pip-version-check torch==2.13.0
+# The whole test suite: lint, unit, distributed and functional tests (CPU).
+# Extra arguments go to pytest.
+source "$(dirname "$0")/env.sh"
 "$PY" -m pip install -q --disable-pip-version-check -e ".[test]"
+# Megatron-core for the integration tests, pinned; --no-deps keeps it from touching torch.
+"$PY" -m pip install -q --disable-pip-version-check --no-deps megatron-core==0.16.1 numpy packaging
 "$VENV/bin/ruff" check .
 "$VENV/bin/ruff" format --check .
 exec "$PY" -m pytest -q "$@"

@@ -135,7 +135,8 @@ class _WeightedSwiGLU(torch.autograd.Function):
         sig_RF = torch.sigmoid(gate_RF)
         act_RF = torch.nn.functional.silu(gate_RF)  # as in forward, not gate·σ: same rounding
         dyp_RF = dy_RF * probs_R.to(x_RC.dtype).unsqueeze(1)
-        dgate_RF = dyp_RF * up_RF * (sig_RF * (1 + gate_RF * (1 - sig_RF)))
+        # Megatron's rounding order, so te_paged's experts match its SwiGLU bit for bit.
+        dgate_RF = ((dyp_RF * sig_RF) * (1 + gate_RF * (1 - sig_RF))) * up_RF
         dup_RF = dyp_RF * act_RF
         dprobs_R = (dy_RF * (act_RF * up_RF)).sum(dim=1)  # y = (act · up) · probs
         return *_finish_grads(ctx, dgate_RF, dup_RF, dprobs_R), None, None, None

@@ -63,6 +63,13 @@ def as_moe_config(config: object) -> MoEConfig:
             value = getattr(config, f.name)
             if f.name in ("recompute_modules", "offload_modules") and value is None:
                 value = []
+            # Megatron defaults recompute_modules to ["core_attn"] whatever the granularity;
+            # the list only means something with selective recompute.
+            if (
+                f.name == "recompute_modules"
+                and getattr(config, "recompute_granularity", None) != "selective"
+            ):
+                value = []
             kw[f.name] = value
     gated = bool(getattr(config, "gated_linear_unit", True))
     if hasattr(config, "activation_func"):

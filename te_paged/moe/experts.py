@@ -97,6 +97,12 @@ class TEGroupedMLP(nn.Module):
                 "moe_mlp_glu_interleave_size is not supported by te_paged's TEGroupedMLP: "
                 "de-interleave the FC1 weights and set it to None"
             )
+        expt_tp = getattr(pg_collection, "expt_tp", None)
+        if expt_tp is not None and expt_tp.size() > 1:
+            raise ValueError(
+                f"expert tensor parallelism (expt_tp size {expt_tp.size()}) is not supported by "
+                "te_paged's TEGroupedMLP: set expert_tensor_parallel_size=1"
+            )
         if num_local_experts < 1:
             raise ValueError(f"num_local_experts must be >= 1, got {num_local_experts}")
         self.config, self.name = cfg, name

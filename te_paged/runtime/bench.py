@@ -137,3 +137,47 @@ def stash_report(
             f"| {1e3 * r.stash_nozero_s:.2f} | {100 * (r.stash_s / r.stash_nozero_s - 1):+.0f} % |"
         )
     return "\n".join(lines) + "\n"
+
+
+def step_time_report(cfg, *, repeats: int = 5, device: str = "cpu", command: str = "") -> str:
+    """Median step time of the ``ab`` model (one process) with paged stash ON and OFF."""
+    from te_paged.runtime.model import ToyMoEModel, make_batch
+
+    dev = torch.device(device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    models = {paged: ToyMoEModel(cfg, paged=paged, group=None, device=dev) for paged in (0, 1)}
+    x, target = make_batch(cfg, 0, 0, dev)
+
+    def step(model: ToyMoEModel) -> None:
+        if model.manager is not None:
+            model.manager.reset()
+        model.zero_grad(set_to_none=False)
+        model(x, target).backward()
+
+    times: dict[int, list[float]] = {0: [], 1: []}
+    for model in models.values():  # capture step and pool allocation, not timed
+        step(model)
+        step(model)
+    for _ in range(repeats):  # interleaved, so drift in machine load hits both alike
+        for paged, model in models.items():
+            sync()
+            t0 = time.perf_counter()
+            step(model)
+            sync()
+            times[paged].append(time.perf_counter() - t0)
+    on, off = statistics.median(times[1]), statistics.median(times[0])
+    return "\n".join(
+        [
+            f"# Step time, paged stash ON vs OFF ({datetime.date.today()})",
+            "",
+            f"Command: `{command}`  ",
+            f"Model: {cfg.layers} MoE layers, {cfg.experts} experts, top-{cfg.topk}, hidden "
+            f"{cfg.hidden}, ffn {cfg.ffn}, {cfg.tokens} tokens, capacity {cfg.capacity_factor}, "
+            f"one process, device {dev}, median of {repeats}.",
+            "",
+            "| OFF ms | ON ms | ON / OFF |",
+            "| ---: | ---: | ---: |",
+            f"| {1e3 * off:.1f} | {1e3 * on:.1f} | {on / off:.3f} |",
+            "",
+        ]
+    )

@@ -5,9 +5,12 @@
 * CPU: torch's dispatch-based ``MemTracker`` (``torch.distributed._tools.mem_tracker``), which
   sees every storage allocated while the work runs and reports the peak by category.
 
-Either way the figure is the peak of memory allocated *during* the work; memory that existed
-before it (parameters, a stash pool allocated at the step boundary) is not included, so callers
-add the pool explicitly when comparing paged stash ON against OFF.
+Either way the figure is the peak of the memory the work itself holds: on CUDA everything
+allocated before it (parameters, existing gradients, a stash pool allocated at the step boundary)
+is subtracted; on CPU the tracker's parameter, buffer, gradient and optimizer categories are
+excluded, leaving activations and temporaries at the moment of the peak. Keep gradients allocated
+across steps (``zero_grad(set_to_none=False)``) so the two agree, and add the pool explicitly
+when comparing paged stash ON against OFF.
 """
 
 from __future__ import annotations
@@ -18,7 +21,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["MemoryReport", "capacity_model_saving", "measure_peak"]
+__all__ = ["MemoryReport", "PeakMemoryMeter", "capacity_model_saving", "measure_peak"]
+
+# MemTracker categories that exist before a step and stay for the whole run.
+_STATIC_CATEGORIES = {"Parameter", "Buffer", "Gradient", "Optstate"}
 
 
 @dataclasses.dataclass
@@ -28,27 +34,58 @@ class MemoryReport:
     by_category: dict[str, int]
 
 
-def measure_peak(fn: Callable[[], Any], device: torch.device | str) -> tuple[Any, MemoryReport]:
-    """Run ``fn`` and return its result and the peak bytes it allocated on ``device``."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        result = fn()
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - base
-        return result, MemoryReport(peak, "CUDA caching allocator peak (max_memory_allocated)", {})
-    from torch.distributed._tools.mem_tracker import MemTracker
+class PeakMemoryMeter:
+    """Context manager measuring the peak memory of the work inside it (see module docstring).
 
-    tracker = MemTracker()
-    with tracker:
+    ``new_iteration()`` tells the CPU tracker that the same modules are about to run again
+    (e.g. a step rerun after an overflow); the peak carries over.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.report: MemoryReport | None = None
+        self._tracker = None
+        self._base = 0
+
+    def __enter__(self) -> PeakMemoryMeter:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        else:
+            from torch.distributed._tools.mem_tracker import MemTracker
+
+            self._tracker = MemTracker()
+            self._tracker.__enter__()
+        return self
+
+    def new_iteration(self) -> None:
+        if self._tracker is not None:
+            self._tracker.reset_mod_stats()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device) - self._base
+            self.report = MemoryReport(
+                peak, "CUDA caching allocator peak (max_memory_allocated)", {}
+            )
+            return
+        self._tracker.__exit__(*exc)
+        snapshot = self._tracker.get_tracker_snapshot("peak").get(self.device, {})
+        categories = {
+            getattr(k, "value", str(k)): int(v) for k, v in snapshot.items() if k != "Total"
+        }
+        dynamic = sum(v for k, v in categories.items() if k not in _STATIC_CATEGORIES)
+        method = "torch MemTracker (dispatch-based) peak of activations + temporaries"
+        self.report = MemoryReport(dynamic, method, categories)
+
+
+def measure_peak(fn: Callable[[], Any], device: torch.device | str) -> tuple[Any, MemoryReport]:
+    """Run ``fn`` and return its result and the peak bytes it held on ``device``."""
+    with PeakMemoryMeter(device) as meter:
         result = fn()
-    snapshot = tracker.get_tracker_snapshot("peak").get(device, {})
-    categories = {getattr(k, "value", str(k)): int(v) for k, v in snapshot.items() if k != "Total"}
-    report = MemoryReport(int(snapshot.get("Total", 0)), "torch MemTracker peak (dispatch-based)",
-                          categories)  # fmt: skip
-    return result, report
+    return result, meter.report
 
 
 def capacity_model_saving(capacity_factor: float, buffer_factor: float, s_bytes: float) -> float:

@@ -98,6 +98,8 @@ class PagedStashRunner:
         self.grow_pool = grow_pool
         self.measure_fallback_memory = measure_fallback_memory
         self.consecutive_fallbacks = 0
+        #: Called right before a rerun (e.g. to tell a memory tracker the modules run again).
+        self.before_rerun: Callable[[], None] | None = None
         self.step_index = 0
         self.records: list[StepRecord] = []
 
@@ -177,12 +179,19 @@ class PagedStashRunner:
         peak_pair = max((r[1] for r in per_rank), default=0)
         hwm = {k: max(r[2 + i] for r in per_rank) for i, k in enumerate(keys)}
         record = StepRecord(
-            step=self.step_index, attempt=1, enabled=self._stash_enabled(),
-            stash_overflow_ranks=overflow, overbudget_ranks=overbudget, host_spill_ranks=spill,
-            will_retry=bool(overflow or overbudget), pool_high_water_pages=hwm,
-            pool_pages=self._pool_pages(), peak_tokens=peak_tokens, budget_tokens=budget,
+            step=self.step_index,
+            attempt=1,
+            enabled=self._stash_enabled(),
+            stash_overflow_ranks=overflow,
+            overbudget_ranks=overbudget,
+            host_spill_ranks=spill,
+            will_retry=bool(overflow or overbudget),
+            pool_high_water_pages=hwm,
+            pool_pages=self._pool_pages(),
+            peak_tokens=peak_tokens,
+            budget_tokens=budget,
             balanced_tokens=balanced,
-        )  # fmt: skip
+        )
         if record.will_retry:
             self._suggest(record, peak_pair)
             if self.consecutive_fallbacks >= self.max_consecutive_fallbacks:
@@ -226,14 +235,17 @@ class PagedStashRunner:
             record.suggested_buffer_size_factor_cuda = math.ceil(100 * ratio * _MARGIN) / 100
 
     def _fallback(self, step_fn: Callable[[], Any], record: StepRecord) -> Any:
-        self.model.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=False)  # in place: the rerun allocates no gradients
         if self.manager is not None:
             self.manager.release()  # the pool and the dropless rerun never coexist
             if self.grow_pool and record.suggested_buffer_size_factor_cuda is not None:
-                factor = max(record.suggested_buffer_size_factor_cuda,
-                             self.manager.buffer_size_factor_cuda)  # fmt: skip
+                factor = max(
+                    record.suggested_buffer_size_factor_cuda, self.manager.buffer_size_factor_cuda
+                )
                 self.manager.buffer_size_factor_cuda = factor
         self._set_fallback(True)
+        if self.before_rerun is not None:
+            self.before_rerun()
         try:
             result, peak, method = self._measured(step_fn)
         finally:

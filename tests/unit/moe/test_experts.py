@@ -207,3 +207,19 @@ def test_module_level_rejections() -> None:
         mlp(torch.randn(8, 16), torch.tensor([1, 2, 3, 0]), torch.rand(8))
     with pytest.raises(ValueError, match="permuted_probs has 7 entries"):
         mlp(torch.randn(8, 32), torch.tensor([1, 2, 3, 0]), torch.rand(7))
+
+
+def test_megatron_default_recompute_modules_are_ignored_without_selective_recompute() -> None:
+    # Megatron defaults recompute_modules to ["core_attn"] even with no recompute at all.
+    cfg = as_moe_config(megatron_like_config(recompute_modules=["core_attn"]))
+    assert cfg.recompute_modules == []
+    cfg = as_moe_config(
+        megatron_like_config(recompute_granularity="selective", recompute_modules=["moe_act"])
+    )
+    assert cfg.recompute_moe_act
+
+
+def test_expert_tensor_parallelism_is_rejected() -> None:
+    group = types.SimpleNamespace(size=lambda: 2)
+    with pytest.raises(ValueError, match="expert tensor parallelism"):
+        TEGroupedMLP(4, megatron_like_config(), pg_collection=types.SimpleNamespace(expt_tp=group))

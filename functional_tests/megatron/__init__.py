@@ -1,0 +1,1 @@
+"""Megatron-core integration: a functional test launched with torchrun."""

@@ -1,0 +1,138 @@
+"""Megatron-core's ``MoELayer`` with te_paged inside vs the same layer with Megatron's experts.
+
+One ``torchrun`` launch (4 CPU ranks, gloo) runs every case of ``worker.py``: EP 1 and 4, the
+``alltoall`` and ``allgather`` dispatchers, ``moe_act`` recompute off and on, two steps each
+(the paged stash's capture step, then a paged step); the tests below read its per-rank JSON.
+
+What is compared with what, against Megatron's ``SequentialMLP`` with the same weights:
+
+* Megatron's ``TEGroupedMLP`` over te_paged's ``GroupedLinear``: **bitwise** — the same
+  activation code, and te_paged's grouped GEMM gives the bits of Megatron's per-expert
+  ``matmul`` on CPU, in forward and backward.
+* te_paged's experts: output, input gradient, router weight gradient and every expert weight
+  gradient **bitwise** equal (te_paged's SwiGLU backward rounds the gate derivative in
+  Megatron's order, ``((dy·p)·σ)·(1 + g·(1 − σ))·up``).
+* paged stash on vs off: **bitwise**, every tensor (the stash only moves bytes).
+* a copy of te_paged's layer with one FC2 weight element moved by 1e-2 must fail the same
+  check, or the check could not fail.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from functional_tests.launch import torchrun
+from functional_tests.megatron import stubs, worker
+
+WORLD_SIZE = 4
+LAUNCH_TIMEOUT_S = 240
+REPO_ROOT = Path(__file__).resolve().parents[2]
+#: (expert-parallel size, dispatcher, moe_act recompute): what the worker ran.
+CASES = list(itertools.product(worker.EPS, worker.DISPATCHERS, (False, True)))
+CASE_IDS = [worker.case_id(*case) for case in CASES]
+_FC2_INPUT_KEY = f"float32x{worker.FFN}"
+
+
+def bitwise_failures(comparison: dict[str, dict]) -> list[str]:
+    return [
+        f"{name}: not bitwise equal (max |diff| {c['max_abs_diff']:.3g})"
+        for name, c in comparison.items()
+        if not c["equal"]
+    ]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """Launch the worker once; every rank's results."""
+    try:
+        version = importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.fail(f"megatron-core is not installed: {stubs.INSTALL_HINT}")
+    if version != stubs.PINNED_VERSION:
+        pytest.fail(
+            f"megatron-core {version} is installed, not {stubs.PINNED_VERSION}: "
+            f"{stubs.INSTALL_HINT}"
+        )
+    out = tmp_path_factory.mktemp("megatron_moe")
+    torchrun(
+        [
+            "-m",
+            "functional_tests.megatron.worker",
+            "--out",
+            str(out),
+            "--timeout-s",
+            str(LAUNCH_TIMEOUT_S - 30),
+        ],
+        nproc=WORLD_SIZE,
+        timeout_s=LAUNCH_TIMEOUT_S,
+        env={"PYTHONWARNINGS": "ignore"},  # Megatron warns at import that TE and Apex are absent
+    )
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
+    assert all(r["world_size"] == WORLD_SIZE for r in results)
+    return results
+
+
+def _steps(ranks: list[dict], case: tuple):
+    """``(rank, step, record)`` for every rank and step of ``case``."""
+    for rank, result in enumerate(ranks):
+        for step, record in enumerate(result[worker.case_id(*case)]["steps"]):
+            yield rank, step, record
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_te_paged_experts_match_megatron_sequential_mlp(ranks, case) -> None:
+    for rank, step, record in _steps(ranks, case):
+        comparison = record["te_paged_vs_sequential"]
+        expert_grads = [n for n in comparison if n.startswith("grad:experts.local_experts.")]
+        ep = case[0]
+        assert len(expert_grads) == 2 * worker.EXPERTS // ep, sorted(comparison)  # fc1, fc2
+        assert {"output", "input_grad", "grad:router.weight"} <= set(comparison)
+        failures = bitwise_failures(comparison)
+        assert not failures, f"rank {rank} step {step}: {failures}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_perturbed_expert_weight_fails_the_comparison(ranks, case) -> None:
+    """The check above is not vacuous: one weight moved by 1e-2 makes it fail on some rank."""
+    for step in range(worker.STEPS):
+        per_rank = [
+            bitwise_failures(record["perturbed_vs_sequential"])
+            for _, s, record in _steps(ranks, case)
+            if s == step
+        ]
+        assert any(f for f in per_rank), f"step {step}: a perturbed weight went unnoticed"
+        assert any("output" in line for f in per_rank for line in f)
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_megatron_grouped_mlp_with_te_paged_linears_is_bitwise(ranks, case) -> None:
+    for rank, step, record in _steps(ranks, case):
+        failures = bitwise_failures(record["grouped_linears_vs_sequential"])
+        assert not failures, f"rank {rank} step {step}: {failures}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_paged_stash_on_off_bitwise_and_used(ranks, case) -> None:
+    recompute = case[2]
+    for rank, step, record in _steps(ranks, case):
+        failures = bitwise_failures(record["stash_on_vs_off"])
+        assert not failures, f"rank {rank} step {step}: {failures}"
+        stash = record["stash"]
+        assert stash["mode"] == ("CAPTURE" if step == 0 else "CAPTURED"), stash
+        assert stash["stashes"] == stash["pops"] > 0, stash
+        assert not stash["overflow"], stash
+        if step > 0:
+            assert stash["pages_high_water"] > 0, stash
+        # FC2's input is the activation output: paged, unless moe_act recompute owns it.
+        assert (_FC2_INPUT_KEY in stash["capture_keys"]) is not recompute, stash
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_checkpoint_round_trip_to_sequential_layout(ranks, case) -> None:
+    for rank, result in enumerate(ranks):
+        assert result[worker.case_id(*case)]["roundtrip_mismatches"] == [], f"rank {rank}"

@@ -1,0 +1,228 @@
+"""Worker of the Megatron MoE functional test: ``main(argv)``, one process per rank (gloo).
+
+Run by ``test_megatron_moe.py`` as ``python -m torch.distributed.run --nproc_per_node=4
+-m functional_tests.megatron.worker --out DIR``. For EP 1 and EP 4 (one process group setup
+each), both dropless dispatchers and ``moe_act`` recompute off/on, it builds Megatron's
+``MoELayer`` five ways from one set of weights and runs two steps of forward and backward:
+
+* ``sequential`` — the reference: Megatron's ``SequentialMLP`` experts;
+* ``te_paged`` — te_paged's experts (:func:`get_te_paged_moe_spec`), paged stash off;
+* ``te_paged_stash`` — the same with paged stash on (step 0 captures, step 1 pages);
+* ``grouped_linears`` — Megatron's own ``TEGroupedMLP`` over te_paged's ``GroupedLinear``;
+* ``perturbed`` — ``te_paged`` with one expert weight element changed by 1e-2.
+
+Each rank writes ``rank<r>.json``: per case and comparison, per tensor (output, input grad,
+router weight grad, each expert weight grad in ``SequentialMLP`` naming), whether it is bitwise
+equal to the other side and its largest absolute difference; plus the stash statistics and the
+checkpoint round trip.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import faulthandler
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from functional_tests.megatron import stubs
+
+SEQ, BATCH, HIDDEN, FFN, EXPERTS, TOPK = 8, 2, 16, 32, 8, 2
+STEPS = 2
+EPS = (1, 4)
+DISPATCHERS = ("alltoall", "allgather")
+# te_paged-only fields (megatron-core 0.16.1 has none of them). Dynamic dispatcher: the input
+# has no padding, so the budget is the input itself (capacity factor 1); routing changes the
+# row count from step to step, so the pool gets 4x the captured balanced pages.
+STASH_OVERRIDES = {
+    "moe_paged_stash": True,
+    "moe_expert_rank_capacity_factor": 1.0,
+    "moe_paged_stash_page_size": 8,
+    "moe_paged_stash_buffer_size_factor_cuda": 4.0,
+}
+# fp32 on CPU. Differences come only from the order of float operations (see the test), each
+# a few ulps of the compared value; 1e-5 relative is ~100 ulps of fp32 and 1e-6 absolute covers
+# values that cancel to ~0. The perturbation (1e-2 on one weight) moves outputs by ~1e-3.
+PERTURBATION = 1e-2
+
+
+def case_id(ep: int, dispatcher: str, recompute: bool) -> str:
+    return f"ep{ep}-{dispatcher}-{'moe_act_recompute' if recompute else 'no_recompute'}"
+
+
+def megatron_config(ep: int, dispatcher: str, recompute: bool):
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kw = {}
+    if recompute:  # Megatron allows moe_act recompute with grouped-GEMM experts only
+        kw = {
+            "recompute_granularity": "selective",
+            "recompute_modules": ["moe_act"],
+            "moe_grouped_gemm": True,
+        }
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=HIDDEN,
+        num_attention_heads=1,
+        num_moe_experts=EXPERTS,
+        moe_router_topk=TOPK,
+        moe_ffn_hidden_size=FFN,
+        ffn_hidden_size=FFN,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        bias_activation_fusion=True,
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        moe_token_dispatcher_type=dispatcher,
+        expert_model_parallel_size=ep,
+        moe_router_load_balancing_type="none",
+        **kw,
+    )
+
+
+def build_layers(config) -> dict[str, torch.nn.Module]:
+    """The five layers of the module docstring, all with the reference's weights."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer.spec_utils import build_module
+
+    from te_paged.integrations import megatron as tpm
+
+    reference_spec = get_moe_module_spec(use_te=False, num_experts=EXPERTS, moe_grouped_gemm=False)
+    layers = {
+        "sequential": build_module(reference_spec, config=config),
+        "te_paged": build_module(tpm.get_te_paged_moe_spec(config), config=config),
+        "te_paged_stash": build_module(
+            tpm.get_te_paged_moe_spec(config, **STASH_OVERRIDES), config=config
+        ),
+        "grouped_linears": build_module(tpm.get_te_paged_linear_moe_spec(), config=config),
+        "perturbed": build_module(tpm.get_te_paged_moe_spec(config), config=config),
+    }
+    reference = layers["sequential"].state_dict()
+    for name, layer in layers.items():
+        if name != "sequential":
+            tpm.load_megatron_expert_state_dict(layer, reference)
+    with torch.no_grad():
+        layers["perturbed"].experts.linear_fc2.weight0[0, 0] += PERTURBATION
+    return layers
+
+
+def roundtrip_mismatches(layers: dict[str, torch.nn.Module]) -> list[str]:
+    """Keys where te_paged's weights, written back in SequentialMLP layout, differ from the
+    reference's (``_extra_state`` entries carry no weights)."""
+    from te_paged.integrations.megatron import to_megatron_sequential_state_dict
+
+    reference = {
+        k: v for k, v in layers["sequential"].state_dict().items() if not k.endswith("_extra_state")
+    }
+    back = to_megatron_sequential_state_dict(layers["te_paged"])
+    bad = sorted(set(reference) ^ set(back))
+    bad += [k for k in reference if k in back and not torch.equal(reference[k], back[k])]
+    return bad
+
+
+def run_step(layer: torch.nn.Module, step: int, rank: int) -> dict[str, torch.Tensor]:
+    """Forward and backward of one step; the output and every gradient, SequentialMLP names."""
+    from te_paged.integrations.megatron import (
+        grouped_to_sequential_state_dict,
+        paged_stash_managers,
+    )
+
+    for manager in paged_stash_managers(layer):
+        manager.reset()
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(SEQ, BATCH, HIDDEN, generator=g).requires_grad_()
+    dy = torch.randn(SEQ, BATCH, HIDDEN, generator=g)
+    out, bias = layer(x)
+    assert bias is None
+    (out * dy).sum().backward()
+    grads = {"output": out.detach(), "input_grad": x.grad}
+    for name, p in layer.named_parameters():
+        grads[f"grad:{name}"] = p.grad
+    layer.zero_grad(set_to_none=True)
+    return grouped_to_sequential_state_dict(grads)
+
+
+def compare(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict[str, dict]:
+    if set(ours) != set(ref):
+        raise AssertionError(f"different tensors: {sorted(set(ours) ^ set(ref))}")
+    result = {}
+    for name, b in ref.items():
+        a = ours[name]
+        diff = (a - b).abs()
+        result[name] = {
+            "equal": torch.equal(a, b),
+            "max_abs_diff": diff.max().item() if diff.numel() else 0.0,
+        }
+    return result
+
+
+def run_case(ep: int, dispatcher: str, recompute: bool, rank: int) -> dict:
+    from te_paged.integrations.megatron import paged_stash_managers
+
+    torch.manual_seed(1234 + rank)
+    layers = build_layers(megatron_config(ep, dispatcher, recompute))
+    result: dict = {"roundtrip_mismatches": roundtrip_mismatches(layers), "steps": []}
+    (manager,) = paged_stash_managers(layers["te_paged_stash"])
+    for step in range(STEPS):
+        outs = {name: run_step(layer, step, rank) for name, layer in layers.items()}
+        stats = manager.stats()
+        result["steps"].append(
+            {
+                "te_paged_vs_sequential": compare(outs["te_paged"], outs["sequential"]),
+                "grouped_linears_vs_sequential": compare(
+                    outs["grouped_linears"], outs["sequential"]
+                ),
+                "perturbed_vs_sequential": compare(outs["perturbed"], outs["sequential"]),
+                "stash_on_vs_off": compare(outs["te_paged_stash"], outs["te_paged"]),
+                "stash": {
+                    "mode": stats.mode.name,
+                    "stashes": stats.stashes,
+                    "pops": stats.pops,
+                    "overflow": stats.overflow,
+                    "pages_high_water": sum(stats.pages_high_water.values()),
+                    "capture_keys": sorted(stats.capture_peak_rows),
+                },
+            }
+        )
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for rank<r>.json")
+    parser.add_argument("--timeout-s", type=float, default=200.0, help="watchdog: exit after")
+    args = parser.parse_args(argv)
+    # A rank whose peers died would wait in a collective for ever: dump the stacks and exit.
+    faulthandler.dump_traceback_later(args.timeout_s, exit=True)
+    stubs.install()
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
+    rank = dist.get_rank()
+    results = {"world_size": dist.get_world_size(), "megatron_core": stubs.PINNED_VERSION}
+    try:
+        for ep in EPS:
+            parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
+            try:
+                for dispatcher in DISPATCHERS:
+                    for recompute in (False, True):
+                        results[case_id(ep, dispatcher, recompute)] = run_case(
+                            ep, dispatcher, recompute, rank
+                        )
+            finally:
+                parallel_state.destroy_model_parallel()
+    finally:
+        dist.destroy_process_group()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
+    faulthandler.cancel_dump_traceback_later()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

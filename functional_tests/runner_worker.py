@@ -1,0 +1,149 @@
+"""Multi-rank cases of the paged-stash runner; run under ``torchrun --nproc_per_node=4``.
+
+    python -m torch.distributed.run --nproc_per_node=4 functional_tests/runner_worker.py --out DIR
+
+Each rank writes ``DIR/rank{r}.json`` with its observations; ``test_runner_multirank.py``
+launches this and asserts on them. Every case builds fresh models from seeds, so cases cannot
+leak state into each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from te_paged.runtime import FallbackLimitError, PagedStashRunner
+from te_paged.runtime.model import ModelConfig, ToyMoEModel, make_batch
+
+BASE = ModelConfig(
+    layers=3,
+    experts=8,
+    topk=2,
+    hidden=32,
+    ffn=64,
+    tokens=32,
+    page_size=8,
+    capacity_factor=2.0,
+    steps=3,
+    seed=5,
+)
+
+
+def train(
+    cfg: ModelConfig,
+    *,
+    paged: bool,
+    dropless: bool = False,
+    skew_rank: int | None = None,
+    max_fallbacks: int = 3,
+) -> dict:
+    group = dist.group.WORLD
+    rank = dist.get_rank()
+    model = ToyMoEModel(cfg, paged=paged, group=group)
+    if dropless:
+        for layer in model.layers:
+            layer.set_dropless(True)
+    if skew_rank == rank:
+        for layer in model.layers:
+            layer.router.set_skew([0, 1], 50.0)
+    runner = PagedStashRunner(
+        model, model.manager, group=group, max_consecutive_fallbacks=max_fallbacks
+    )
+    out: dict = {"loss": [], "grad_norm": [], "records": [], "grads": [], "stats": []}
+    for step in range(cfg.steps):
+        x, target = make_batch(cfg, step, rank)
+        model.zero_grad(set_to_none=False)
+
+        def fn(x=x, target=target):
+            loss = model(x, target)
+            loss.backward()
+            return loss.detach()
+
+        try:
+            loss, record = runner.step(fn)
+        except FallbackLimitError as e:
+            out["raised"] = str(e)
+            break
+        grads = [p.grad.clone() for p in model.parameters()]
+        out["loss"].append(float(loss))
+        out["grad_norm"].append(float(torch.stack([g.norm() for g in grads]).norm()))
+        out["records"].append(dataclasses.asdict(record))
+        out["grads"].append(grads)
+        if model.manager is not None:
+            s = model.manager.stats()
+            out["stats"].append({"stashes": s.stashes, "pops": s.pops, "overflow": s.overflow})
+    return out
+
+
+def same(a: dict, b: dict) -> bool:
+    """Losses, grad norms and every gradient of every step bitwise equal."""
+    if a["loss"] != b["loss"] or a["grad_norm"] != b["grad_norm"]:
+        return False
+    return all(torch.equal(x, y) for ga, gb in zip(a["grads"], b["grads"]) for x, y in zip(ga, gb))
+
+
+def summary(run: dict) -> dict:
+    return {k: v for k, v in run.items() if k != "grads"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True, type=Path)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    rank = dist.get_rank()
+    res: dict = {}
+    try:
+        ref = train(BASE, paged=False, dropless=True)  # the dropless reference
+        # 1. in budget: ON vs OFF
+        on, off = train(BASE, paged=True), train(BASE, paged=False)
+        res["in_budget"] = {"on_equals_off": same(on, off), "on": summary(on), "off": summary(off)}
+        # 2. ON vs the dropless reference (same arithmetic: each expert sees the same rows)
+        res["on_equals_dropless"] = same(on, ref)
+        # 3. rank 0 forced over its budget
+        skewed_ref = train(BASE, paged=False, dropless=True, skew_rank=0)
+        over = train(BASE, paged=True, skew_rank=0)
+        fit = over["records"][0]["suggested_capacity_factor"]
+        refit = train(dataclasses.replace(BASE, capacity_factor=fit), paged=True, skew_rank=0)
+        res["over_budget"] = {
+            "equals_reference": same(over, skewed_ref),
+            "run": summary(over),
+            "refit": summary(refit),
+            "fit": fit,
+        }
+        # 4. stash overflow: host spill off (rerun), then on (no rerun)
+        tiny = dataclasses.replace(BASE, buffer_factor_cuda=0.2)
+        spill_off = train(tiny, paged=True)
+        spill_on = train(dataclasses.replace(tiny, buffer_factor_cpu=2.0), paged=True)
+        res["overflow"] = {
+            "off_equals_reference": same(spill_off, ref),
+            "on_equals_reference": same(spill_on, ref),
+            "spill_off": summary(spill_off),
+            "spill_on": summary(spill_on),
+        }
+        # 5. MXFP8 and moe_act recompute: ON vs OFF
+        mx = dataclasses.replace(BASE, fp8="mxfp8", recompute=True)
+        mx_on, mx_off = train(mx, paged=True), train(mx, paged=False)
+        res["mxfp8_recompute"] = {"on_equals_off": same(mx_on, mx_off), "on": summary(mx_on)}
+        # 6. repeated forced overflow: the runaway guard
+        guard = train(dataclasses.replace(BASE, steps=4), paged=True, skew_rank=0, max_fallbacks=2)
+        res["guard"] = summary(guard)
+    finally:
+        (args.out / f"rank{rank}.json").write_text(json.dumps(res, default=str))
+        dist.barrier()  # leave together: gloo torn down under a talking peer can abort
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())

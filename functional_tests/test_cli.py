@@ -1,0 +1,197 @@
+"""``te-paged``: ab (spawned ranks and under torchrun), plan, bench, and the exit status."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+from te_paged import cli
+from te_paged.runtime import ab as ab_module
+from te_paged.runtime.planner import RoutingProfile
+
+from .launch import REPO_ROOT, torchrun
+
+SMALL = [
+    "--layers",
+    "2",
+    "--experts",
+    "4",
+    "--hidden",
+    "32",
+    "--ffn",
+    "64",
+    "--tokens",
+    "64",
+    "--steps",
+    "3",
+    "--page-size",
+    "8",
+]
+
+
+def te_paged(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "te_paged", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO_ROOT,
+        check=False,
+    )
+
+
+def test_help_lists_every_command_and_flag() -> None:
+    out = te_paged("--help").stdout
+    assert all(c in out for c in ("ab", "plan", "bench"))
+    ab_help = te_paged("ab", "--help").stdout
+    for flag in (
+        "--nproc",
+        "--layers",
+        "--capacity-factor",
+        "--buffer-factor-cuda",
+        "--fp8",
+        "--recompute",
+        "--op-fuser",
+        "--skew",
+        "--json",
+        "--plot",
+        "--record-profile",
+    ):
+        assert flag in ab_help, flag
+
+
+def test_ab_spawns_ranks_and_writes_json_plot_and_profile(tmp_path) -> None:
+    js, png, prof = tmp_path / "ab.json", tmp_path / "ab.png", tmp_path / "routing.json"
+    proc = te_paged(
+        "ab",
+        "--nproc",
+        "2",
+        *SMALL,
+        "--json",
+        str(js),
+        "--plot",
+        str(png),
+        "--record-profile",
+        str(prof),
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "| step | loss ON | loss OFF |" in proc.stdout and "bitwise equal" in proc.stdout
+    assert "measured / predicted" in proc.stdout and "MemTracker" in proc.stdout
+    data = json.loads(js.read_text())
+    assert data["world_size"] == 2 and len(data["ranks"]) == 2
+    assert all(all(r["grads_equal"]) for r in data["ranks"])
+    assert data["memory"]["pool_bytes"] > 0 and data["memory"]["S_bytes"] > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    profile = RoutingProfile.load(prof)
+    assert profile.ep_size == 2 and len(profile.tokens) == 3 and len(profile.tokens[0]) == 2
+    # every (token, k) assignment of both ranks is counted once
+    assert all(sum(layer) == 2 * 64 * 2 for step in profile.tokens for layer in step)
+    plan = te_paged("plan", "--profile", str(prof), "--hidden", "32", "--ffn", "64")
+    assert plan.returncode == 0 and "moe_expert_rank_capacity_factor" in plan.stdout
+
+
+def test_ab_under_torchrun_uses_the_launchers_ranks(tmp_path) -> None:
+    js = tmp_path / "ab.json"
+    # The skew sends each of rank 0's 64 tokens to expert 0 once: over a pair budget of
+    # 64 x top-2 x 1.5 / 4 ranks = 48 rows.
+    out = torchrun(
+        [
+            "-m",
+            "te_paged.cli",
+            "ab",
+            *SMALL,
+            "--skew",
+            "50",
+            "--capacity-factor",
+            "1.5",
+            "--json",
+            str(js),
+        ],
+        nproc=4,
+        timeout_s=240,
+    )
+    assert "| step | loss ON" in out
+    data = json.loads(js.read_text())
+    assert data["world_size"] == 4
+    # the skew forces rank 0 over its budget: every step reruns, and ON still equals OFF
+    on = data["ranks"][0]["on"]
+    assert [s["attempt"] for s in on] == [2, 2, 2] and all(s["overbudget_ranks"] for s in on)
+    assert all(all(r["grads_equal"]) for r in data["ranks"])
+
+
+def test_ab_exit_status_is_1_when_on_and_off_differ(monkeypatch, tmp_path, capsys) -> None:
+    real = ab_module.run_ab
+
+    def broken(*args, **kwargs):
+        result = real(*args, **kwargs)
+        result.on[-1] = dataclasses.replace(result.on[-1], loss=result.on[-1].loss + 1e-3)
+        return result
+
+    monkeypatch.setattr(ab_module, "run_ab", broken)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(cli._free_port()))
+    monkeypatch.setenv("TE_PAGED_AB_OUT", str(tmp_path / "r.pkl"))
+    assert cli.main(["ab", *SMALL]) == 1
+    assert "DIFFER" in capsys.readouterr().out
+
+
+def test_plan_named_model_reproduces_the_maxtext_table() -> None:
+    proc = te_paged(
+        "plan",
+        "--model",
+        "deepseek-v3",
+        "--seq",
+        "4096",
+        "--batch",
+        "2",
+        "--ep",
+        "4",
+        "--layers",
+        "60",
+        "--ring-of-experts",
+        "--capacity-factor",
+        "1",
+        "--buffer-factor",
+        "1",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "worst case 262,144, balanced 65,536" in proc.stdout
+    assert "3.50 GiB per layer, 210.00 GiB over all layers static; 52.50 GiB" in proc.stdout
+
+
+def test_plan_needs_exactly_one_source() -> None:
+    proc = te_paged("plan")
+    assert proc.returncode == 2 and "exactly one of --profile or --model" in proc.stderr
+
+
+def test_bench_writes_reports_with_the_command(tmp_path) -> None:
+    proc = te_paged(
+        "bench",
+        "--hidden-sizes",
+        "64",
+        "--token-counts",
+        "128",
+        "--repeats",
+        "2",
+        "--out-dir",
+        str(tmp_path),
+        *SMALL,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = sorted(p.name for p in tmp_path.iterdir())
+    assert [r.split("-")[0] for r in reports] == ["stash", "step_time"]
+    text = (tmp_path / reports[0]).read_text()
+    assert "Command: `te-paged bench" in text and "| 64 | 128 |" in text
+    assert "ON / OFF" in (tmp_path / reports[1]).read_text()
+
+
+@pytest.mark.parametrize("bad", [["--nproc", "0"]])
+def test_ab_rejects_bad_arguments(bad) -> None:
+    proc = te_paged("ab", *bad)
+    assert proc.returncode == 2 and "--nproc must be >= 1" in proc.stderr

@@ -1,0 +1,85 @@
+"""Launch ``runner_worker.py`` under torchrun with 4 gloo ranks and check what each rank saw.
+
+1. in budget, paged stash ON vs OFF: per-step loss, grad norm and every gradient bitwise equal
+   on every rank; stashes == pops > 0; no flags;
+2. ON vs the dropless reference: bitwise equal (each expert sees the same rows in the same
+   order in both, so the arithmetic is the same);
+3. rank 0 forced over budget: every rank reruns (attempt 2), the result equals the dropless
+   reference, the record counts 1 rank and suggests a capacity factor that then fits;
+4. stash overflow with host spill off: rerun, equal; with host spill on: no rerun,
+   ``host_spill_ranks > 0``, equal;
+5. MXFP8 with ``moe_act`` recompute: ON vs OFF bitwise equal;
+6. repeated forced fallbacks: the runaway guard raises on every rank with suggested factors.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from .launch import torchrun
+
+WORLD = 4
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("runner")
+    torchrun([str(HERE / "runner_worker.py"), "--out", str(out)], nproc=WORLD, timeout_s=300)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def attempts(run: dict) -> list[int]:
+    return [r["attempt"] for r in run["records"]]
+
+
+def test_in_budget_on_equals_off(ranks) -> None:
+    for res in ranks:
+        case = res["in_budget"]
+        assert case["on_equals_off"]
+        assert attempts(case["on"]) == [1, 1, 1]
+        for rec in case["on"]["records"]:
+            assert rec["stash_overflow_ranks"] == rec["overbudget_ranks"] == 0
+            assert rec["host_spill_ranks"] == 0 and rec["enabled"]
+        for s in case["on"]["stats"]:
+            assert s["stashes"] == s["pops"] > 0 and not s["overflow"]
+
+
+def test_on_equals_the_dropless_reference(ranks) -> None:
+    assert all(res["on_equals_dropless"] for res in ranks)
+
+
+def test_forced_over_budget_reruns_everywhere(ranks) -> None:
+    for res in ranks:
+        case = res["over_budget"]
+        assert case["equals_reference"]
+        assert attempts(case["run"]) == [2, 2, 2]  # every rank, not only the skewed one
+        assert all(r["overbudget_ranks"] == 1 for r in case["run"]["records"])
+        assert case["fit"] > 2.0
+        assert all(r["overbudget_ranks"] == 0 for r in case["refit"]["records"])
+
+
+def test_stash_overflow_with_and_without_host_spill(ranks) -> None:
+    for res in ranks:
+        case = res["overflow"]
+        assert case["off_equals_reference"] and case["on_equals_reference"]
+        off, on = case["spill_off"]["records"], case["spill_on"]["records"]
+        assert attempts(case["spill_off"])[1:] == [2, 2]  # after the capture step
+        assert all(r["stash_overflow_ranks"] > 0 for r in off[1:])
+        assert attempts(case["spill_on"]) == [1, 1, 1]
+        assert all(r["host_spill_ranks"] > 0 and r["stash_overflow_ranks"] == 0 for r in on[1:])
+
+
+def test_mxfp8_with_recompute_on_equals_off(ranks) -> None:
+    assert all(res["mxfp8_recompute"]["on_equals_off"] for res in ranks)
+    assert all(s["stashes"] > 0 for s in ranks[0]["mxfp8_recompute"]["on"]["stats"])
+
+
+def test_runaway_guard_raises_on_every_rank(ranks) -> None:
+    for res in ranks:
+        guard = res["guard"]
+        assert attempts(guard) == [2, 2]
+        assert "moe_expert_rank_capacity_factor to >= " in guard["raised"]

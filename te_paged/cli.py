@@ -1,0 +1,396 @@
+"""``te-paged``: the A/B of paged stash ON vs OFF, the buffer planner, and the benchmarks.
+
+    te-paged ab     [--nproc 4] [model and run flags] [--json P] [--plot P] [--record-profile P]
+    te-paged plan   --profile PATH [--target-rerun-rate R] [--host-spill]
+    te-paged plan   --model deepseek-v3 --seq 4096 --batch 2 --ep 4 [--ring-of-experts]
+    te-paged bench  [--only stash|step] [--out-dir benchmarks/results]
+
+``ab`` starts its own ranks (gloo on CPU; ``--device cuda`` uses NCCL, one GPU per rank); under
+``torchrun`` it uses the launcher's ranks instead. It exits with status 1 if paged stash ON and
+OFF differ in any loss, gradient norm or gradient.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    from te_paged.runtime.model import ModelConfig
+
+    d = ModelConfig()
+    g = p.add_argument_group("model and run (defaults: the embedded default model)")
+    g.add_argument("--layers", type=int, default=d.layers, help="MoE layers (%(default)s)")
+    g.add_argument("--experts", type=int, default=d.experts, help="experts (%(default)s)")
+    g.add_argument("--topk", type=int, default=d.topk, help="experts per token (%(default)s)")
+    g.add_argument("--hidden", type=int, default=d.hidden, help="hidden size (%(default)s)")
+    g.add_argument("--ffn", type=int, default=d.ffn, help="expert FFN size (%(default)s)")
+    g.add_argument("--tokens", type=int, default=d.tokens, help="tokens per rank (%(default)s)")
+    g.add_argument(
+        "--capacity-factor",
+        type=float,
+        default=d.capacity_factor,
+        help="moe_expert_rank_capacity_factor (%(default)s)",
+    )
+    g.add_argument(
+        "--buffer-factor-cuda",
+        type=float,
+        default=d.buffer_factor_cuda,
+        help="moe_paged_stash_buffer_size_factor_cuda (%(default)s)",
+    )
+    g.add_argument(
+        "--buffer-factor-cpu",
+        type=float,
+        default=d.buffer_factor_cpu,
+        help="moe_paged_stash_buffer_size_factor_cpu, host tier (%(default)s)",
+    )
+    g.add_argument("--page-size", type=int, default=d.page_size, help="rows per page (%(default)s)")
+    g.add_argument(
+        "--fp8",
+        choices=["tensorwise", "mxfp8"],
+        default=None,
+        help="FP8 storage of saved inputs (default: none)",
+    )
+    g.add_argument("--recompute", action="store_true", help="selective recompute of moe_act")
+    g.add_argument(
+        "--op-fuser",
+        action="store_true",
+        help="the fused FC1-activation-FC2 path (default: unfused)",
+    )
+    g.add_argument("--activation", choices=["swiglu", "quick_geglu"], default=d.activation)
+    g.add_argument("--steps", type=int, default=d.steps, help="training steps (%(default)s)")
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument(
+        "--skew",
+        type=float,
+        default=d.skew,
+        help="logit added to expert 0 on rank 0, to force over-budget reruns (0)",
+    )
+    g.add_argument(
+        "--kernel-backend", choices=["auto", "triton", "torch"], default=d.kernel_backend
+    )
+
+
+def _model_config(args: argparse.Namespace):
+    from te_paged.runtime.model import ModelConfig
+
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    kw = {k: v for k, v in vars(args).items() if k in fields}
+    kw["buffer_factor_cuda"], kw["buffer_factor_cpu"] = (
+        args.buffer_factor_cuda,
+        args.buffer_factor_cpu,
+    )
+    return ModelConfig(**kw)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="te-paged",
+        description="Paged stashing of MoE expert activations: A/B, planner, benchmarks.",
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+
+    ab = sub.add_parser(
+        "ab",
+        help="paged stash ON vs OFF: parity, attempts, flags, memory",
+        description="Run the same model and data with paged stash ON and OFF "
+        "and print a table of loss, grad norm, attempts, flags and memory.",
+    )
+    _model_args(ab)
+    ab.add_argument("--nproc", type=int, default=4, help="ranks to start (%(default)s)")
+    ab.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ab.add_argument("--json", type=Path, help="write everything as JSON here")
+    ab.add_argument("--plot", type=Path, help="write a PNG of pool occupancy and memory here")
+    ab.add_argument(
+        "--record-profile",
+        type=Path,
+        help="write the OFF run's routing profile (JSON) for `te-paged plan`",
+    )
+
+    plan = sub.add_parser(
+        "plan",
+        help="recommend capacity and buffer factors",
+        description="Recommend moe_expert_rank_capacity_factor and the stash "
+        "buffer factors from a routing profile, or print a named model's "
+        "sizes without running it.",
+    )
+    plan.add_argument("--profile", type=Path, help="routing profile (.json or .csv)")
+    plan.add_argument("--target-rerun-rate", type=float, default=0.01)
+    plan.add_argument(
+        "--host-spill",
+        action="store_true",
+        help="cover the tail with a host tier instead of a larger CUDA pool",
+    )
+    plan.add_argument("--hidden", type=int, help="hidden size, for the memory of each choice")
+    plan.add_argument("--ffn", type=int, help="expert FFN size, for the memory of each choice")
+    plan.add_argument("--dtype-bytes", type=int, default=2)
+    plan.add_argument("--model", choices=["deepseek-v3"], help="a named configuration")
+    plan.add_argument("--seq", type=int, default=4096)
+    plan.add_argument("--batch", type=int, default=1)
+    plan.add_argument("--ep", type=int, default=8)
+    plan.add_argument("--layers", type=int, help="MoE layers (default: the model's)")
+    plan.add_argument("--capacity-factor", type=float, default=2.0)
+    plan.add_argument("--buffer-factor", type=float, default=1.1)
+    plan.add_argument(
+        "--ring-of-experts",
+        action="store_true",
+        help="MaxText's layout: each rank's buffer holds all EP ranks' tokens",
+    )
+
+    bench = sub.add_parser(
+        "bench",
+        help="stash/pop vs plain copy; step time ON/OFF",
+        description="Benchmarks, medians of several runs in one process; "
+        "reports go to --out-dir with the command that produced them.",
+    )
+    bench.add_argument("--only", choices=["stash", "step"], help="run one of the two")
+    bench.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
+    bench.add_argument("--device", default="cpu")
+    bench.add_argument("--repeats", type=int, default=7)
+    bench.add_argument("--hidden-sizes", type=int, nargs="+", default=[1024, 2048, 4096, 7168])
+    bench.add_argument("--token-counts", type=int, nargs="+", default=[2048, 16384, 65536])
+    _model_args(bench)
+    return p
+
+
+# ---------------------------------------------------------------------------------------- ab
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _progress_fn(rank: int):
+    if rank != 0 or not sys.stderr.isatty():
+        return None
+    return lambda msg: print(f"\r[te-paged ab] {msg:<40}", end="", file=sys.stderr, flush=True)
+
+
+def _ab_rank(rank: int, world: int, init: str, args: argparse.Namespace, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from te_paged.runtime.ab import gather, run_ab
+
+    if args.device == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    device = torch.device(args.device)
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend,
+        init_method=init,
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(minutes=10),
+    )
+    try:
+        cfg = _model_config(args)
+        mine = run_ab(
+            cfg,
+            dist.group.WORLD,
+            device,
+            _progress_fn(rank),
+            record_routing=args.record_profile is not None,
+        )
+        result = gather(mine, cfg, dist.group.WORLD)
+        if rank == 0:
+            import pickle
+
+            with open(out, "wb") as f:
+                pickle.dump(result, f)
+        # Every rank leaves together: tearing gloo down while a peer still talks to it can
+        # abort the process.
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn_target(rank: int, world: int, init: str, args: argparse.Namespace, out: str) -> None:
+    _ab_rank(rank, world, init, args, out)
+
+
+def cmd_ab(args: argparse.Namespace) -> int:
+    import pickle
+
+    from te_paged.runtime.ab import format_table
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.pkl")
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            out = os.environ.get(
+                "TE_PAGED_AB_OUT",
+                os.path.join(tempfile.gettempdir(), f"te_paged_ab_{os.getppid()}.pkl"),
+            )
+            _ab_rank(rank, world, "env://", args, out)
+            if rank != 0:
+                return 0
+        else:
+            import torch.multiprocessing as mp
+
+            if args.nproc < 1:
+                print("te-paged ab: --nproc must be >= 1", file=sys.stderr)
+                return 2
+            init = f"tcp://127.0.0.1:{_free_port()}"
+            mp.spawn(
+                _spawn_target, args=(args.nproc, init, args, out), nprocs=args.nproc, join=True
+            )
+        with open(out, "rb") as f:
+            result = pickle.load(f)
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
+    print(format_table(result))
+    if args.json:
+        args.json.write_text(
+            json.dumps(dataclasses.asdict(result) | {"memory": result.memory()}, indent=1)
+        )
+    if args.plot:
+        from te_paged.runtime.plot import plot_ab
+
+        plot_ab(result, args.plot)
+    if args.record_profile:
+        from te_paged.runtime.planner import RoutingProfile
+
+        cfg = result.config
+        RoutingProfile(
+            num_experts=cfg["experts"],
+            ep_size=result.world_size,
+            top_k=cfg["topk"],
+            tokens_per_rank=cfg["tokens"],
+            tokens=result.ranks[0].routing,
+        ).to_json(args.record_profile)
+    return 0 if result.equal else 1
+
+
+# -------------------------------------------------------------------------------------- plan
+
+
+def _gib(b: float) -> str:
+    return f"{b / 2**30:.2f} GiB"
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from te_paged.runtime import planner
+
+    if (args.profile is None) == (args.model is None):
+        print("te-paged plan: give exactly one of --profile or --model", file=sys.stderr)
+        return 2
+    if args.model:
+        cfg = planner.NAMED_CONFIGS[args.model]
+        s = planner.named_sizes(
+            cfg,
+            seq=args.seq,
+            batch=args.batch,
+            ep=args.ep,
+            capacity_factor=args.capacity_factor,
+            buffer_factor=args.buffer_factor,
+            layers=args.layers,
+            ring_of_experts=args.ring_of_experts,
+            itemsize=args.dtype_bytes,
+        )
+        layers = args.layers or cfg.moe_layers
+        print(
+            f"{cfg.name}: hidden {cfg.hidden}, ffn {cfg.ffn}, top-{cfg.top_k}, {layers} MoE "
+            f"layers, batch {args.batch}, seq {args.seq}, EP {args.ep}"
+            f"{', ring of experts' if args.ring_of_experts else ''}"
+        )
+        print(
+            f"  rows per rank: worst case {s['worst_case_rows']:,}, balanced {s['balanced_rows']:,}"
+        )
+        print(
+            f"  one [rows, hidden] activation: {_gib(s['hidden_row_bytes_per_layer_static'])} "
+            f"per layer, {_gib(s['hidden_row_bytes_all_layers_static'])} over all layers "
+            f"static; {_gib(s['hidden_row_bytes_all_layers_balanced'])} actual rows only"
+        )
+        print(
+            f"  expert MLP saved activations: static {_gib(s['mlp_saved_bytes_static'])}, "
+            f"pool ({args.buffer_factor} x S) {_gib(s['mlp_saved_bytes_pool'])}, S "
+            f"{_gib(s['S_bytes'])}; predicted saving (cf - bf) x S "
+            f"{_gib(s['predicted_saving_bytes'])}"
+        )
+        return 0
+    profile = planner.RoutingProfile.load(args.profile)
+    bpt = None
+    if args.hidden and args.ffn:
+        bpt = planner.stashed_bytes_per_token(args.hidden, args.ffn, itemsize=args.dtype_bytes)
+    choice = planner.recommend(
+        profile, args.target_rerun_rate, host_spill=args.host_spill, bytes_per_token=bpt
+    )
+    print(
+        f"profile: {len(profile.tokens)} steps, {len(profile.tokens[0])} layers, "
+        f"{profile.num_experts} experts on {profile.ep_size} ranks, top-{profile.top_k}, "
+        f"{profile.tokens_per_rank} tokens per rank"
+    )
+    print(f"target rerun rate {args.target_rerun_rate:.2%}:")
+    print(
+        f"  moe_expert_rank_capacity_factor        = {choice.capacity_factor:.2f}"
+        f"  (profiled over-budget steps: {choice.rerun_rate_capacity:.2%})"
+    )
+    print(
+        f"  moe_paged_stash_buffer_size_factor_cuda = {choice.buffer_size_factor_cuda:.2f}"
+        f"  (profiled stash overflows: {choice.rerun_rate_stash:.2%})"
+    )
+    print(
+        f"  moe_paged_stash_buffer_size_factor_cpu  = {choice.buffer_size_factor_cpu:.2f}"
+        f"  (profiled host spills: {choice.spill_rate:.2%})"
+    )
+    if choice.static_bytes is not None:
+        print(
+            f"  memory per rank: static buffers' saved activations {_gib(choice.static_bytes)}"
+            f", CUDA pool {_gib(choice.pool_bytes)}, host pool "
+            f"{_gib(choice.host_pool_bytes)}"
+        )
+    return 0
+
+
+# ------------------------------------------------------------------------------------- bench
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from te_paged.runtime.bench import stash_report, step_time_report
+
+    command = "te-paged " + " ".join(sys.argv[1:])
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    today = datetime.date.today().isoformat()
+    if args.only in (None, "stash"):
+        report = stash_report(
+            args.hidden_sizes,
+            args.token_counts,
+            repeats=args.repeats,
+            device=args.device,
+            command=command,
+            progress=lambda m: print(m, file=sys.stderr),
+        )
+        (args.out_dir / f"stash-{today}.md").write_text(report)
+        print(report)
+    if args.only in (None, "step"):
+        report = step_time_report(
+            _model_config(args), repeats=args.repeats, device=args.device, command=command
+        )
+        (args.out_dir / f"step_time-{today}.md").write_text(report)
+        print(report)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    return {"ab": cmd_ab, "plan": cmd_plan, "bench": cmd_bench}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

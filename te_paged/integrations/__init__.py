@@ -1,0 +1,1 @@
+"""Integrations with training frameworks; each submodule imports its framework lazily."""

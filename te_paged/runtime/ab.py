@@ -1,0 +1,245 @@
+"""``te-paged ab``: the same model and data with paged stash ON and OFF, on every rank.
+
+Per step it records loss and gradient norm of both runs (and whether they, and every single
+gradient, are bitwise equal), the runner's record (attempt, enabled, flags); per run the peak
+memory of each captured step, measured by torch's trackers (the ON figure includes the pool,
+allocated at the step boundary), and the capacity model's prediction ``(cf − bf) × S`` with ``S``
+the balanced-case bytes of the paged tensors. :func:`run_ab` runs on one rank (inside a process
+group or not); :func:`gather` collects every rank's result on each rank; :func:`format_table`
+renders it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from te_paged.runtime.memory import PeakMemoryMeter, capacity_model_saving
+from te_paged.runtime.model import ModelConfig, ToyMoEModel, make_batch
+from te_paged.runtime.runner import PagedStashRunner
+
+__all__ = ["ABResult", "RankResult", "format_table", "gather", "run_ab"]
+
+
+@dataclasses.dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    attempt: int
+    enabled: bool
+    stash_overflow_ranks: int
+    overbudget_ranks: int
+    host_spill_ranks: int
+    peak_bytes: int
+    record: dict
+
+
+@dataclasses.dataclass
+class RankResult:
+    rank: int
+    on: list[StepResult]
+    off: list[StepResult]
+    grads_equal: list[bool]  # per step: every gradient of this rank bitwise equal
+    pool_bytes: int
+    host_pool_bytes: int
+    s_bytes: int  # balanced-case bytes of the paged tensors
+    stashes: int
+    pops: int
+    memory_method: str
+    timeline: list[dict]
+    routing: list[list[list[int]]] | None = None  # OFF run, summed over ranks: [step][layer][E]
+
+
+@dataclasses.dataclass
+class ABResult:
+    config: dict
+    world_size: int
+    ranks: list[RankResult]
+
+    @property
+    def equal(self) -> bool:
+        return all(
+            all(r.grads_equal)
+            and all(a.loss == b.loss and a.grad_norm == b.grad_norm for a, b in zip(r.on, r.off))
+            for r in self.ranks
+        )
+
+    def memory(self) -> dict[str, float]:
+        """Max over ranks of the last (captured) step's peak, and the capacity model."""
+        on = max(r.on[-1].peak_bytes + r.pool_bytes for r in self.ranks)
+        off = max(r.off[-1].peak_bytes for r in self.ranks)
+        s = max(r.s_bytes for r in self.ranks)
+        cfg = self.config
+        predicted = capacity_model_saving(cfg["capacity_factor"], cfg["buffer_factor_cuda"], s)
+        saving = off - on
+        return {
+            "peak_on_bytes": on,
+            "peak_off_bytes": off,
+            "pool_bytes": max(r.pool_bytes for r in self.ranks),
+            "S_bytes": s,
+            "saving_bytes": saving,
+            "predicted_saving_bytes": predicted,
+            "measured_over_predicted": saving / predicted if predicted else math.nan,
+        }
+
+
+def _grad_vector(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+
+
+def _run(
+    cfg: ModelConfig,
+    paged: bool,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    rank: int,
+    progress: Callable[[str], None] | None,
+    timeline: bool,
+    routing: list | None = None,
+) -> tuple[list[StepResult], list[list[torch.Tensor]], ToyMoEModel]:
+    model = ToyMoEModel(cfg, paged=paged, group=group, device=device, record_timeline=timeline)
+    counts: list[torch.Tensor] = []
+    if routing is not None:
+        for layer in model.layers:
+            layer.router.register_forward_hook(
+                lambda m, i, out: counts.append(out.tokens_per_expert)
+            )
+    if cfg.skew and rank == 0:
+        for layer in model.layers:
+            layer.router.set_skew([0], cfg.skew)
+    runner = PagedStashRunner(model, model.manager, group=group, measure_fallback_memory=False)
+    steps, grads = [], []
+    for step in range(cfg.steps):
+        x, target = make_batch(cfg, step, rank, device)
+        model.zero_grad(set_to_none=False)  # gradients stay allocated: not part of the peak
+
+        def step_fn(x: torch.Tensor = x, target: torch.Tensor = target) -> torch.Tensor:
+            loss = model(x, target)
+            loss.backward()
+            return loss.detach()
+
+        if model.manager is not None:
+            # The first reset after the capture step allocates the pool: do it outside the
+            # measurement (the pool is added to ON's figure explicitly).
+            model.manager.reset()
+        with PeakMemoryMeter(device) as meter:
+            runner.before_rerun = meter.new_iteration
+            loss, record = runner.step(step_fn)
+        mem = meter.report
+        grads.append(_grad_vector(model))
+        if routing is not None:  # recording only: a host read and a collective per step
+            step_counts = torch.stack(counts[: cfg.layers])
+            counts.clear()
+            if group is not None:
+                dist.all_reduce(step_counts, group=group)
+            routing.append(step_counts.tolist())
+        norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads[-1]]))
+        steps.append(
+            StepResult(
+                float(loss),
+                float(norm),
+                record.attempt,
+                record.enabled,
+                record.stash_overflow_ranks,
+                record.overbudget_ranks,
+                record.host_spill_ranks,
+                mem.peak_bytes,
+                dataclasses.asdict(record),
+            )
+        )
+        if progress is not None:
+            progress(f"{'ON ' if paged else 'OFF'} step {step + 1}/{cfg.steps}")
+    steps[-1].record["memory_method"] = mem.method
+    return steps, grads, model
+
+
+def run_ab(
+    cfg: ModelConfig,
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | str = "cpu",
+    progress: Callable[[str], None] | None = None,
+    record_routing: bool = False,
+) -> RankResult:
+    """Run OFF then ON on this rank; compare; measure. ``record_routing`` keeps the OFF run's
+    tokens per expert (summed over ranks) for the planner."""
+    device = torch.device(device)
+    rank = 0 if group is None else dist.get_rank(group)
+    routing: list | None = [] if record_routing else None
+    off, off_grads, _ = _run(cfg, False, group, device, rank, progress, False, routing)
+    on, on_grads, model = _run(cfg, True, group, device, rank, progress, rank == 0)
+    equal = [
+        len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+        for a, b in zip(on_grads, off_grads)
+    ]
+    stats = model.manager.stats()
+    s_bytes = 0
+    for key, buf in model.manager.buffers.items():
+        rows = stats.capture_peak_balanced_rows[str(key)]
+        s_bytes += rows * key.hidden * buf.pool_NH.element_size()
+    timeline = [dataclasses.asdict(e) for e in (model.manager.timeline or [])]
+    return RankResult(
+        rank,
+        on,
+        off,
+        equal,
+        stats.pool_bytes,
+        stats.host_pool_bytes,
+        s_bytes,
+        stats.stashes,
+        stats.pops,
+        on[-1].record["memory_method"],
+        timeline,
+        routing,
+    )
+
+
+def gather(result: RankResult, cfg: ModelConfig, group: dist.ProcessGroup | None) -> ABResult:
+    if group is None:
+        return ABResult(dataclasses.asdict(cfg), 1, [result])
+    world = dist.get_world_size(group)
+    results: list[RankResult | None] = [None] * world
+    dist.all_gather_object(results, result, group=group)
+    return ABResult(dataclasses.asdict(cfg), world, list(results))
+
+
+def _mib(b: float) -> str:
+    return f"{b / 2**20:.2f} MiB"
+
+
+def format_table(result: ABResult) -> str:
+    """A reviewer's table: per step ON/OFF loss and grad norm, attempts and flags; memory."""
+    r0 = result.ranks[0]
+    rows = [
+        "| step | loss ON | loss OFF | grad norm ON | grad norm OFF | bitwise equal | attempt "
+        "| enabled | overflow ranks | over-budget ranks | host-spill ranks |",
+        "| ---: | ---: | ---: | ---: | ---: | :---: | ---: | :---: | ---: | ---: | ---: |",
+    ]
+    for i, (a, b) in enumerate(zip(r0.on, r0.off)):
+        eq = all(r.grads_equal[i] and r.on[i].loss == r.off[i].loss for r in result.ranks)
+        rows.append(
+            f"| {i} | {a.loss:.6f} | {b.loss:.6f} | {a.grad_norm:.6f} | {b.grad_norm:.6f} "
+            f"| {'yes' if eq else 'NO'} | {a.attempt} | {a.enabled} | {a.stash_overflow_ranks} "
+            f"| {a.overbudget_ranks} | {a.host_spill_ranks} |"
+        )
+    m = result.memory()
+    cfg = result.config
+    rows += [
+        "",
+        f"Memory, last step, max over {result.world_size} rank(s) ({r0.memory_method}):",
+        "",
+        "| peak ON (incl. pool) | peak OFF | pool | saving | predicted (cf − bf) × S "
+        "| measured / predicted |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"| {_mib(m['peak_on_bytes'])} | {_mib(m['peak_off_bytes'])} | {_mib(m['pool_bytes'])} "
+        f"| {_mib(m['saving_bytes'])} | {_mib(m['predicted_saving_bytes'])} "
+        f"(cf {cfg['capacity_factor']}, bf {cfg['buffer_factor_cuda']}, S {_mib(m['S_bytes'])}) "
+        f"| {100 * m['measured_over_predicted']:.1f} % |",
+        "",
+        f"stashes/pops (rank 0, last step): {r0.stashes}/{r0.pops}; "
+        f"ON and OFF {'bitwise equal' if result.equal else 'DIFFER'}.",
+    ]
+    return "\n".join(rows)
