@@ -53,8 +53,16 @@ def _move_rows(
             buf_RH[r0 : r0 + n].copy_(pool_NH[p0 : p0 + n])
 
 
-def _slots(start: int, count: int, size: int) -> torch.Tensor:
-    return torch.arange(start, start + count).remainder_(max(size, 1))
+def _queue_range(start: int, count: int, size: int) -> list[tuple[int, int, int]]:
+    """Slots ``[start, start + count)`` of a circular queue of ``size`` as at most two slices:
+    ``(queue position, first slot, length)``."""
+    out, pos = [], 0
+    while pos < count:
+        first = (start + pos) % size
+        length = min(count - pos, size - first)
+        out.append((pos, first, length))
+        pos += length
+    return out
 
 
 def torch_stash_copy(
@@ -77,6 +85,9 @@ def torch_stash_copy(
     spill), else nowhere (counting an overflow). More tokens than the static buffer holds is an
     overflow too. After an overflow this is a no-op. ``rec_pages_M``/``rec_meta`` receive the
     record :func:`torch_stash_pop` needs.
+
+    Bookkeeping is done on Python copies of the small state tensors (one read and at most one
+    write each), so the fixed cost per call stays a handful of tensor ops.
     """
     if rec_pages_M.numel() < -(-src_RH.shape[0] // page_size):
         raise ValueError(
@@ -111,16 +122,20 @@ def torch_stash_copy(
         tier = Tier.NONE
 
     if tier is not Tier.NONE:
-        pages_t = free[_slots(st[head_i], need, free.numel()).to(free.device)]
+        pages: list[int] = []
+        for _, first, length in _queue_range(st[head_i], need, free.numel()):
+            pages += free[first : first + length].tolist()
         st[head_i] += need
         in_use = free.numel() - (st[tail_i] - st[head_i])
         st[hwm_i] = max(st[hwm_i], in_use)
         st[State.ROWS_STASHED] += rows
-        rec_pages_M[:need].copy_(pages_t)
-        _move_rows(rows, page_size, pages_t.tolist(), pool, src_RH, to_pool=True)
+        if need:
+            rec_pages_M[:need].copy_(torch.tensor(pages, dtype=rec_pages_M.dtype))
+        _move_rows(rows, page_size, pages, pool, src_RH, to_pool=True)
         meta[Meta.ROWS], meta[Meta.TIER] = rows, int(tier)
         state.copy_(torch.tensor(st))
-    flags.copy_(torch.tensor(fl))
+    if tier is not Tier.DEVICE:  # only a spill or an overflow changes the flags
+        flags.copy_(torch.tensor(fl))
     rec_meta.copy_(torch.tensor(meta))
 
 
@@ -143,14 +158,14 @@ def torch_stash_pop(
     stale memory); otherwise they are left as they were. After an overflow the pool is left
     untouched and no row is read (all of ``dst_RH`` is padding).
     """
-    overflowed = int(flags[Flag.OVERFLOW]) != 0
+    overflowed = flags.tolist()[Flag.OVERFLOW] != 0
     meta = rec_meta.tolist()
     rows, tier = meta[Meta.ROWS], Tier(meta[Meta.TIER])
     if overflowed or tier is Tier.NONE:
         rows = 0
     if rows > dst_RH.shape[0]:
         raise ValueError(f"record holds {rows} rows but dst_RH has only {dst_RH.shape[0]}")
-    if zero_padding:
+    if zero_padding and rows < dst_RH.shape[0]:
         dst_RH[rows:].zero_()
     if overflowed or tier is Tier.NONE:
         return
@@ -162,5 +177,6 @@ def torch_stash_pop(
         pool, free, tail_i = host_pool_NH, host_free_P, State.HOST_TAIL
     _move_rows(rows, page_size, pages_t.tolist(), pool, dst_RH, to_pool=False)
     tail = int(state[tail_i])
-    free[_slots(tail, need, free.numel()).to(free.device)] = pages_t.to(free.dtype)
+    for pos, first, length in _queue_range(tail, need, free.numel()):
+        free[first : first + length] = pages_t[pos : pos + length]
     state[tail_i] = tail + need

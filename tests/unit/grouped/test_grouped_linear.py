@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import sys
 import types
-from typing import ClassVar
 
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from te_paged import PagedStashManager, is_grouped_tensor_marked
 from te_paged.grouped import (
@@ -32,8 +30,8 @@ from te_paged.grouped import (
     quantize,
 )
 from te_paged.markers import GROUPED_TENSOR_ATTR
+from tests.host_reads import NoHostReads
 
-aten = torch.ops.aten
 E8M0 = torch.float8_e8m0fnu
 E, IN, OUT, T = 4, 32, 48, 64
 SPLITS = [5, 0, 17, 9]  # a zero-token expert and 33 padding rows
@@ -396,29 +394,6 @@ def test_paged_stash_is_bitwise_transparent(fp8_recipe):
     assert stats.mode.value == "captured" and stats.pool_pages
 
 
-class _NoHostSync(TorchDispatchMode):
-    """Raises on every op that reads a device value on the host or has a data-dependent shape."""
-
-    BANNED: ClassVar = {aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten.unique_dim,
-              aten._unique, aten._unique2, aten.unique_consecutive, aten.item}  # fmt: skip
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func.overloadpacket in self.BANNED:
-            raise AssertionError(f"host sync: {func}")
-        if func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
-            raise AssertionError(f"host sync: {func} without output_size")
-        return func(*args, **kwargs)
-
-
-def _no_tolist(monkeypatch):
-    # Tensor.tolist reads memory directly on CPU, below the dispatcher: patch it instead.
-    def tolist(self):
-        raise AssertionError("host sync: Tensor.tolist")
-
-    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
-
-
 @pytest.mark.parametrize(
     "kw",
     [
@@ -436,20 +411,17 @@ def test_device_path_is_sync_free(kw, monkeypatch):
     mod = _module(**kw)
     x = torch.randn(T, IN, requires_grad=True)
     splits = torch.tensor(SPLITS)
-    _no_tolist(monkeypatch)
-    with _NoHostSync():
+    with NoHostReads():
         mod(x, splits).backward(torch.ones(T, OUT))
         GroupedTensor.from_splits(x.detach(), splits).row_mask()
-    monkeypatch.undo()  # restores Tensor.tolist before the assertion below reads values
     assert x.grad.abs().sum() > 0
 
 
 def test_sync_checks_can_fail(monkeypatch):
     legacy = _module(use_grouped_tensor=False)
-    with pytest.raises(AssertionError, match="host sync"), _NoHostSync():
+    with pytest.raises(AssertionError, match="host read"), NoHostReads():
         torch.tensor([1]).item()
-    _no_tolist(monkeypatch)
-    with pytest.raises(AssertionError, match="host sync"), _NoHostSync():
+    with pytest.raises(AssertionError, match="host read"), NoHostReads():
         legacy(torch.randn(T, IN), torch.tensor(SPLITS))
 
 

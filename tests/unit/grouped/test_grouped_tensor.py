@@ -4,18 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from te_paged.grouped import GroupedTensor
-
-aten = torch.ops.aten
-
-
-class _RaiseOnHostRead(TorchDispatchMode):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket in (aten._local_scalar_dense, aten.nonzero, aten.masked_select):
-            raise AssertionError(f"host read: {func}")
-        return func(*args, **(kwargs or {}))
+from tests.host_reads import NoHostReads
 
 
 def test_from_splits_offsets_mask_and_group_ids():
@@ -32,7 +23,7 @@ def test_from_splits_offsets_mask_and_group_ids():
 
 def test_from_splits_reads_nothing_on_host():
     data = torch.randn(8, 4)
-    with _RaiseOnHostRead():
+    with NoHostReads():
         gt = GroupedTensor.from_splits(data, torch.tensor([3, 1, 0, 2]))
         mask, groups, n = gt.row_mask(), gt.group_ids(), gt.num_rows
     assert mask.sum().item() == 6 and groups.tolist() == [0, 0, 0, 1, 3, 3, 4, 4]
@@ -40,7 +31,7 @@ def test_from_splits_reads_nothing_on_host():
 
 
 def test_mode_catches_a_host_read():  # the test above could not fail without this
-    with pytest.raises(AssertionError, match="host read"), _RaiseOnHostRead():
+    with pytest.raises(AssertionError, match="host read"), NoHostReads():
         torch.tensor([1]).item()
 
 

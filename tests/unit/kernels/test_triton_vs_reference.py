@@ -18,7 +18,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("triton", reason="the Triton stash kernels need `pip install triton`")
 
@@ -26,6 +25,7 @@ from te_paged.kernels import triton_stash
 from te_paged.kernels.layout import FLAGS_LEN, META_LEN, STATE_LEN, Flag, Meta, State, Tier
 from te_paged.kernels.reference import torch_stash_copy, torch_stash_pop
 from te_paged.kernels.triton_stash import triton_stash_copy, triton_stash_pop
+from tests.host_reads import NoHostReads
 
 # Shape suffixes: R rows (max_rows), H hidden, N pool rows, P pages, M record page slots.
 
@@ -392,19 +392,6 @@ def test_pop_into_a_shorter_dst_never_writes_past_it() -> None:
     assert pool.state[State.TAIL] == 6  # all 3 pages returned
 
 
-class _NoHostRead(TorchDispatchMode):
-    """Raises on any aten op that reads device memory on the host or has a data-dependent shape."""
-
-    _FORBIDDEN = frozenset({"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select"})
-    _FORBIDDEN_PREFIXES = ("aten::unique", "aten::_unique", "aten::repeat_interleave")
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func._schema.name
-        if name in self._FORBIDDEN or name.startswith(self._FORBIDDEN_PREFIXES):
-            raise AssertionError(f"host read of device data: {name}")
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("host_pages", [0, 3])
 def test_wrappers_read_nothing_on_the_host(host_pages) -> None:
     device = _device()
@@ -413,7 +400,7 @@ def test_wrappers_read_nothing_on_the_host(host_pages) -> None:
     src_RH = _bits(torch.int16, (4, 4), 0, device)
     rec = Record.empty(4, 2, device)
     n = torch.tensor([3], device=device)
-    with pytest.raises(AssertionError, match="_local_scalar_dense"), _NoHostRead():
+    with pytest.raises(AssertionError, match="host read"), NoHostReads():
         torch_stash_copy(
             src_RH,
             n,
@@ -425,7 +412,7 @@ def test_wrappers_read_nothing_on_the_host(host_pages) -> None:
             rec_meta=rec.meta.clone(),
         )
     dst_RH = torch.empty_like(src_RH)
-    with _NoHostRead():
+    with NoHostReads():
         for num_tokens in (3, 1, 9):  # host tier (or overflow), device tier, overflow
             n.fill_(num_tokens)
             triton_stash_copy(
