@@ -27,6 +27,7 @@ from te_paged.moe.dispatcher import FROM_CONFIG, StaticBudgetDispatcher
 from te_paged.moe.experts import TEGroupedMLP
 from te_paged.moe.router import ScoreFunction, TopKRouter
 from te_paged.stash import PagedStashManager
+from te_paged.telemetry import nvtx_range
 
 __all__ = ["MoELayer", "init_expert_weights_"]
 
@@ -143,19 +144,22 @@ class MoELayer(nn.Module):
             raise ValueError(f"x must be [..., {hidden}], got {tuple(x.shape)}")
         x_NH = x.reshape(-1, hidden)
         routing = self.router(x_NH)
-        permuted_TH, tokens_per_expert_L, probs_T, handle = self.dispatcher.dispatch(
-            x_NH, routing.probs, routing.indices
-        )
+        with nvtx_range("te_paged.dispatch"):
+            permuted_TH, tokens_per_expert_L, probs_T, handle = self.dispatcher.dispatch(
+                x_NH, routing.probs, routing.indices
+            )
         manager = self.manager
-        if handle.dropless and manager is not None and manager.enabled:
-            # Dynamic-shaped rows have no static budget to page against: run unstashed. Only
-            # scope opening reads `enabled`, so restoring it right after forward is safe.
-            manager.enabled = False
-            try:
+        with nvtx_range("te_paged.experts"):
+            if handle.dropless and manager is not None and manager.enabled:
+                # Dynamic-shaped rows have no static budget to page against: run unstashed.
+                # Only scope opening reads `enabled`, so restoring it right after is safe.
+                manager.enabled = False
+                try:
+                    out_TH, _ = self.experts(permuted_TH, tokens_per_expert_L, probs_T)
+                finally:
+                    manager.enabled = True
+            else:
                 out_TH, _ = self.experts(permuted_TH, tokens_per_expert_L, probs_T)
-            finally:
-                manager.enabled = True
-        else:
-            out_TH, _ = self.experts(permuted_TH, tokens_per_expert_L, probs_T)
-        y_NH = self.dispatcher.combine(out_TH, handle)
+        with nvtx_range("te_paged.combine"):
+            y_NH = self.dispatcher.combine(out_TH, handle)
         return y_NH.view(x.shape), routing.aux_loss

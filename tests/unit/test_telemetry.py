@@ -66,3 +66,38 @@ def test_timeline_tracks_pages_rows_and_fragmentation() -> None:
     events = [(e.kind, e.pages_in_use, e.rows_in_use) for e in manager.timeline]
     assert events == [("stash", 2, 5), ("stash", 3, 7), ("pop", 2, 5), ("pop", 0, 0)]
     assert abs(manager.timeline[1].fragmentation - (1 - 7 / 12)) < 1e-12
+
+
+def test_moe_layer_marks_dispatch_experts_combine_stash_and_pop(monkeypatch) -> None:
+    from te_paged.config import MoEConfig
+    from te_paged.moe import MoELayer
+
+    seen = []
+
+    @contextlib.contextmanager
+    def annotate(name, domain):
+        seen.append(name)
+        yield
+
+    monkeypatch.setitem(sys.modules, "nvtx", types.SimpleNamespace(annotate=annotate))
+    monkeypatch.setattr(telemetry.importlib.util, "find_spec", lambda name: object())
+    telemetry._nvtx.cache_clear()
+    try:
+        cfg = MoEConfig(
+            hidden_size=32,
+            moe_ffn_hidden_size=64,
+            num_moe_experts=4,
+            moe_expert_rank_capacity_factor=2.0,
+            moe_paged_stash=True,
+        )
+        manager = PagedStashManager.from_config(cfg)
+        layer = MoELayer(cfg, None, manager, seed=0)
+        for _ in range(2):  # capture step, then a paged step
+            manager.reset()
+            y, _ = layer(torch.randn(16, 32, requires_grad=True))
+            y.sum().backward()
+    finally:
+        telemetry._nvtx.cache_clear()
+    names = set(seen)
+    assert {"te_paged.dispatch", "te_paged.experts", "te_paged.combine"} <= names
+    assert {"te_paged.stash", "te_paged.pop"} <= names
