@@ -349,6 +349,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         f"  moe_paged_stash_buffer_size_factor_cpu  = {choice.buffer_size_factor_cpu:.2f}"
         f"  (profiled host spills: {choice.spill_rate:.2%})"
     )
+    print(
+        "  (per-rank totals; te_paged's dispatcher budgets each (source, destination) rank pair, "
+        "which a one-sided skew fills sooner: treat the capacity factor as a lower bound)"
+    )
     if choice.static_bytes is not None:
         print(
             f"  memory per rank: static buffers' saved activations {_gib(choice.static_bytes)}"
