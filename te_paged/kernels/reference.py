@@ -104,7 +104,7 @@ def torch_stash_copy(
     rows = -(-n // tokens_per_row)
     need = -(-rows // page_size)
     st = state.tolist()
-    if n < 0 or rows > src_RH.shape[0]:
+    if n < 0 or n > src_RH.shape[0] * tokens_per_row:  # more tokens than the static budget
         fl[Flag.OVERFLOW] += 1
         tier = Tier.NONE
     elif need <= st[State.TAIL] - st[State.HEAD]:

@@ -72,7 +72,7 @@ def _alloc_kernel(
     n = tl.load(num_tokens_ptr).to(tl.int64)
     # Divide non-negative values only: C and Python round a negative `//` differently.
     rows = (tl.maximum(n, 0) + tokens_per_row - 1) // tokens_per_row
-    bad = (n < 0) | (rows > max_rows)
+    bad = (n < 0) | (n > max_rows * tokens_per_row)  # more tokens than the static budget
     need = (rows + page_size - 1) // page_size
     head = tl.load(state_ptr + _HEAD)
     tail = tl.load(state_ptr + _TAIL)

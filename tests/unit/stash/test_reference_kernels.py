@@ -176,3 +176,12 @@ def test_large_fragmented_pool_round_trips() -> None:
     assert bits_equal(h.pop(rec, xs[2]), xs[2])
     assert bits_equal(h.pop(recs[1], xs[1])[:2500], xs[1][:2500])
     assert int(h.buffer.state[State.TAIL]) - int(h.buffer.state[State.HEAD]) == 110
+
+
+def test_scale_rows_budget_is_rows_times_32_tokens(make_harness) -> None:
+    # A scale-inverse of R rows covers 32·R tokens: that is its static budget in tokens.
+    h = make_harness(hidden=4, pages=8, page_size=2)
+    rec = h.stash(torch.randn(5, 4), 129, tokens_per_row=32)  # 5 rows x 32 = 160 >= 129: fits
+    assert h.tier(rec) is Tier.DEVICE
+    rec = h.stash(torch.randn(4, 4), 129, tokens_per_row=32)  # 4 rows x 32 = 128 < 129
+    assert h.tier(rec) is Tier.NONE and h.flags[Flag.OVERFLOW] == 1
