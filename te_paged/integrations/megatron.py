@@ -184,12 +184,7 @@ class MegatronTEGroupedMLP(TEGroupedMLP):
         device: torch.device | str | None = None,
         overrides: Mapping[str, object] | None = None,
     ) -> None:
-        etp = _group_size(getattr(pg_collection, "expt_tp", None))
-        if etp > 1:
-            raise ValueError(
-                f"the expert tensor-parallel group has {etp} ranks: te_paged's experts are not "
-                "tensor-parallel; set expert_tensor_parallel_size=1"
-            )
+        # TEGroupedMLP itself rejects an expert tensor-parallel group.
         cfg = megatron_moe_config(config, **dict(overrides or {}))
         if cfg.moe_paged_stash and manager is None:
             manager = PagedStashManager.from_config(cfg, device or _compute_device())

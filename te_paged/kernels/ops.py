@@ -63,26 +63,23 @@ _LIB.define(
 )
 
 
-def _stash_copy_impl(*args: object) -> None:
-    *kernel_args, use_triton = args
-    if use_triton:
-        from te_paged.kernels.triton_stash import triton_stash_copy as impl
-    else:
-        impl = torch_stash_copy
-    impl(*kernel_args)
+def _impl(name: str):
+    """The op body: the Triton or the torch kernel, chosen by the trailing ``use_triton``."""
+
+    def run(*args: object) -> None:
+        *kernel_args, use_triton = args
+        if use_triton:
+            from te_paged.kernels import triton_stash
+
+            getattr(triton_stash, f"triton_stash_{name}")(*kernel_args)
+        else:
+            (torch_stash_copy if name == "copy" else torch_stash_pop)(*kernel_args)
+
+    return run
 
 
-def _stash_pop_impl(*args: object) -> None:
-    *kernel_args, use_triton = args
-    if use_triton:
-        from te_paged.kernels.triton_stash import triton_stash_pop as impl
-    else:
-        impl = torch_stash_pop
-    impl(*kernel_args)
-
-
-_LIB.impl("stash_copy", _stash_copy_impl, "CompositeExplicitAutograd")
-_LIB.impl("stash_pop", _stash_pop_impl, "CompositeExplicitAutograd")
+_LIB.impl("stash_copy", _impl("copy"), "CompositeExplicitAutograd")
+_LIB.impl("stash_pop", _impl("pop"), "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("te_paged::stash_copy")
