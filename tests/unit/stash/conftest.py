@@ -17,17 +17,29 @@ def random_bits(rows: int, hidden: int, dtype: torch.dtype, seed: int = 0) -> to
     return raw.to(bits).view(dtype)
 
 
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """A non-contiguous copy of ``t``: the kernels then keep their bookkeeping in a host list
+    and write it back (their path for tensors not on the CPU) instead of writing in place."""
+    out = torch.zeros(2 * t.numel(), dtype=t.dtype)[::2]
+    return out.copy_(t)
+
+
 class KernelHarness:
     """Drive the reference kernels on one buffer, the way the manager does."""
 
-    def __init__(self, buffer: PagedStashBuffer) -> None:
+    def __init__(self, buffer: PagedStashBuffer, strided: bool = False) -> None:
         self.buffer = buffer
-        self.flags = torch.zeros(FLAGS_LEN, dtype=torch.int64)
+        self.wrap = _strided if strided else (lambda t: t)
+        if strided:
+            buffer.free_P, buffer.host_free_P, buffer.state = (
+                _strided(buffer.free_P), _strided(buffer.host_free_P), _strided(buffer.state)
+            )  # fmt: skip
+        self.flags = self.wrap(torch.zeros(FLAGS_LEN, dtype=torch.int64))
 
     def stash(self, x: torch.Tensor, num_tokens: int, tokens_per_row: int = 1):
         rows_RH = x.view(storage_dtype(x.dtype))
         pages = torch.full((-(-x.shape[0] // self.buffer.page_size),), -1, dtype=torch.int32)
-        meta = torch.zeros(2, dtype=torch.int64)
+        pages, meta = self.wrap(pages), self.wrap(torch.zeros(2, dtype=torch.int64))
         torch_stash_copy(
             rows_RH,
             torch.tensor([num_tokens]),

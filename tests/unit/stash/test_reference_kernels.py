@@ -185,3 +185,36 @@ def test_scale_rows_budget_is_rows_times_32_tokens(make_harness) -> None:
     assert h.tier(rec) is Tier.DEVICE
     rec = h.stash(torch.randn(4, 4), 129, tokens_per_row=32)  # 4 rows x 32 = 128 < 129
     assert h.tier(rec) is Tier.NONE and h.flags[Flag.OVERFLOW] == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=st.lists(st.tuples(st.booleans(), st.integers(0, 9), st.integers(0, 7)), max_size=14),
+)
+def test_in_place_and_written_back_bookkeeping_agree(ops) -> None:
+    # On CPU the kernels update contiguous bookkeeping tensors in place; anything else goes
+    # through a host copy and a write-back. Both must leave every tensor in the same state,
+    # through spills to the host tier and overflows.
+    harnesses = [
+        KernelHarness(PagedStashBuffer(StashKey(torch.bfloat16, 3), 5, 2, "cpu", 2), strided)
+        for strided in (False, True)
+    ]
+    assert not harnesses[1].buffer.state.is_contiguous()
+    x = random_bits(9, 3, torch.bfloat16, 0)
+    live: list[list] = [[], []]
+    for is_pop, n, pick in ops:
+        for h, recs in zip(harnesses, live):
+            if is_pop and recs:
+                out = h.pop(recs.pop(pick % len(recs)), x)
+                recs.append(out)  # outputs are compared below, then dropped
+            elif not is_pop:
+                recs.append(h.stash(x, n))
+        if is_pop and live[0]:
+            assert bits_equal(live[0].pop(), live[1].pop())
+        a, b = (h.buffer for h in harnesses)
+        for t, u in zip(
+            (*a.kernel_args(), harnesses[0].flags), (*b.kernel_args(), harnesses[1].flags)
+        ):
+            assert torch.equal(t, u)
+        for (pa, ma), (pb, mb) in zip(*live):
+            assert torch.equal(pa, pb) and torch.equal(ma, mb)

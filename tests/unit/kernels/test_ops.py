@@ -1,0 +1,66 @@
+"""The stash ops' eager shortcut: a plain call when nothing watches, the opaque op otherwise."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from te_paged.kernels import KernelBackend, State, stash_copy, stash_pop
+from te_paged.kernels.layout import FLAGS_LEN, META_LEN
+from te_paged.kernels.ops import _direct
+from te_paged.stash import PagedStashBuffer, StashKey
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+class _PassThrough(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _round_trip(mode=None) -> tuple[torch.Tensor, PagedStashBuffer]:
+    """Stash 5 of 6 rows into pages of 2 and pop them back, the two calls inside ``mode``."""
+    buf = PagedStashBuffer(StashKey(torch.float32, 8), 4, 2, "cpu")
+    src = torch.randn(6, 8, generator=torch.Generator().manual_seed(0)).view(torch.int32)
+    dst, n = torch.full_like(src, 7), torch.tensor([5])
+    flags = torch.zeros(FLAGS_LEN, dtype=torch.int64)
+    rec, meta = torch.empty(3, dtype=torch.int32), torch.empty(META_LEN, dtype=torch.int64)
+    with mode or contextlib.nullcontext():
+        stash_copy(KernelBackend.TORCH, src, n, 1, 2, *buf.kernel_args(), flags, rec, meta)
+        stash_pop(KernelBackend.TORCH, dst, 2, *buf.kernel_args(), flags, rec, meta, True)
+    assert int(buf.state[State.TAIL]) - int(buf.state[State.HEAD]) == 4
+    assert torch.equal(dst[:5], src[:5]) and not dst[5:].any()
+    return dst, buf
+
+
+def test_plain_eager_calls_the_kernel_directly() -> None:
+    x = torch.zeros(2)
+    assert _direct(KernelBackend.TORCH, x)
+    assert not _direct(KernelBackend.TRITON, x)
+    assert not _direct(KernelBackend.TORCH, torch.nn.Parameter(x))  # a subclass: the op
+
+
+def test_a_dispatch_mode_sees_one_opaque_op_and_the_same_result() -> None:
+    direct_dst, direct_buf = _round_trip()
+    recorder = _Recorder()
+    dst, buf = _round_trip(recorder)
+    assert recorder.ops == ["te_paged::stash_copy", "te_paged::stash_pop"]
+    assert torch.equal(dst, direct_dst)
+    assert all(torch.equal(a, b) for a, b in zip(buf.kernel_args(), direct_buf.kernel_args()))
+
+
+def test_a_function_mode_gets_the_op() -> None:
+    with _PassThrough():
+        assert not _direct(KernelBackend.TORCH, torch.zeros(2))
+    _round_trip(_PassThrough())
