@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from te_paged.runtime import FallbackLimitError, PagedStashRunner
 from te_paged.runtime.model import ModelConfig, ToyMoEModel, make_batch
+from te_paged.runtime.planner import RoutingProfile, recommend
 
 BASE = ModelConfig(
     layers=3,
@@ -44,6 +45,7 @@ def train(
     dropless: bool = False,
     skew_rank: int | None = None,
     max_fallbacks: int = 3,
+    record_routing: bool = False,
 ) -> dict:
     group = dist.group.WORLD
     rank = dist.get_rank()
@@ -55,7 +57,11 @@ def train(
         for layer in model.layers:
             layer.router.set_skew([0, 1], 50.0)
     runner = PagedStashRunner(
-        model, model.manager, group=group, max_consecutive_fallbacks=max_fallbacks
+        model,
+        model.manager,
+        group=group,
+        max_consecutive_fallbacks=max_fallbacks,
+        record_routing=record_routing,
     )
     out: dict = {"loss": [], "grad_norm": [], "records": [], "grads": [], "stats": []}
     for step in range(cfg.steps):
@@ -80,6 +86,8 @@ def train(
         if model.manager is not None:
             s = model.manager.stats()
             out["stats"].append({"stashes": s.stashes, "pops": s.pops, "overflow": s.overflow})
+    if record_routing:
+        out["profile"] = dataclasses.asdict(runner.routing_profile())
     return out
 
 
@@ -137,6 +145,32 @@ def main(argv: list[str] | None = None) -> int:
         # 6. repeated forced overflow: the runaway guard
         guard = train(dataclasses.replace(BASE, steps=4), paged=True, skew_rank=0, max_fallbacks=2)
         res["guard"] = summary(guard)
+        # 7. a profile recorded under a skew sizes the per-pair budget exactly; the per-rank
+        #    totals alone give a lower bound that still reruns
+        roomy = dataclasses.replace(BASE, buffer_factor_cuda=3.0)  # no stash overflow here
+        recorded = train(
+            dataclasses.replace(roomy, capacity_factor=8.0),
+            paged=True,
+            skew_rank=0,
+            record_routing=True,
+        )
+        profile = RoutingProfile(**recorded["profile"])
+        totals = dataclasses.replace(profile, tokens_by_source=None)
+        exact = recommend(profile, 0.0).capacity_factor
+        lower = recommend(totals, 0.0).capacity_factor
+        at = {
+            name: summary(
+                train(dataclasses.replace(roomy, capacity_factor=cf), paged=True, skew_rank=0)
+            )
+            for name, cf in (("exact", exact), ("lower", lower))
+        }
+        res["plan"] = {
+            "recorded": summary(recorded),
+            "exact": exact,
+            "lower": lower,
+            "at_exact": at["exact"],
+            "at_lower": at["lower"],
+        }
     finally:
         (args.out / f"rank{rank}.json").write_text(json.dumps(res, default=str))
         dist.barrier()  # leave together: gloo torn down under a talking peer can abort

@@ -9,7 +9,10 @@
 4. stash overflow with host spill off: rerun, equal; with host spill on: no rerun,
    ``host_spill_ranks > 0``, equal;
 5. MXFP8 with ``moe_act`` recompute: ON vs OFF bitwise equal;
-6. repeated forced fallbacks: the runaway guard raises on every rank with suggested factors.
+6. repeated forced fallbacks: the runaway guard raises on every rank with suggested factors;
+7. a routing profile recorded by the runner under a skew: the same on every rank, split by
+   source rank; the capacity factor ``plan`` derives from it runs without a rerun, the one from
+   the per-rank totals alone (smaller) reruns.
 """
 
 from __future__ import annotations
@@ -83,3 +86,23 @@ def test_runaway_guard_raises_on_every_rank(ranks) -> None:
         guard = res["guard"]
         assert attempts(guard) == [2, 2]
         assert "moe_expert_rank_capacity_factor to >= " in guard["raised"]
+
+
+def test_recorded_profile_sizes_the_pair_budget_exactly(ranks) -> None:
+    case = ranks[0]["plan"]
+    profile = case["recorded"]["profile"]
+    assert all(res["plan"]["recorded"]["profile"] == profile for res in ranks)
+    assert attempts(case["recorded"]) == [1, 1, 1]  # recorded without drops
+    assert len(profile["tokens_by_source"]) == 3 and len(profile["tokens_by_source"][0]) == 3
+    assert len(profile["tokens_by_source"][0][0]) == WORLD
+    balanced = profile["tokens_per_rank"] * profile["top_k"]
+    for step in profile["tokens_by_source"]:
+        for layer in step:
+            assert all(sum(src) == balanced for src in layer)  # each source routes N·k rows
+    assert case["lower"] < case["exact"]
+    for res in ranks:
+        at_exact, at_lower = res["plan"]["at_exact"], res["plan"]["at_lower"]
+        assert attempts(at_exact) == [1, 1, 1]
+        assert all(r["overbudget_ranks"] == 0 for r in at_exact["records"])
+        assert 2 in attempts(at_lower)
+    assert all(r["stash_overflow_ranks"] == 0 for r in at_lower["records"])  # over budget only

@@ -264,16 +264,7 @@ def cmd_ab(args: argparse.Namespace) -> int:
 
         plot_ab(result, args.plot)
     if args.record_profile:
-        from te_paged.runtime.planner import RoutingProfile
-
-        cfg = result.config
-        RoutingProfile(
-            num_experts=cfg["experts"],
-            ep_size=result.world_size,
-            top_k=cfg["topk"],
-            tokens_per_rank=cfg["tokens"],
-            tokens=result.ranks[0].routing,
-        ).to_json(args.record_profile)
+        result.ranks[0].routing.to_json(args.record_profile)
     return 0 if result.equal else 1
 
 
@@ -349,10 +340,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
         f"  moe_paged_stash_buffer_size_factor_cpu  = {choice.buffer_size_factor_cpu:.2f}"
         f"  (profiled host spills: {choice.spill_rate:.2%})"
     )
-    print(
-        "  (per-rank totals; te_paged's dispatcher budgets each (source, destination) rank pair, "
-        "which a one-sided skew fills sooner: treat the capacity factor as a lower bound)"
-    )
+    if profile.pairwise:
+        print(
+            "  (capacity factor from the counts by source rank: exact for te_paged's budget per "
+            "(source, destination) rank pair)"
+        )
+    else:
+        print(
+            "  (per-rank totals only: te_paged's dispatcher budgets each (source, destination) "
+            "rank pair, which a one-sided skew fills sooner, so the capacity factor is a lower "
+            "bound; record tokens_by_source, e.g. PagedStashRunner(record_routing=True), for "
+            "an exact one)"
+        )
     if choice.static_bytes is not None:
         print(
             f"  memory per rank: static buffers' saved activations {_gib(choice.static_bytes)}"

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from te_paged.runtime.memory import PeakMemoryMeter, capacity_model_saving
 from te_paged.runtime.model import ModelConfig, ToyMoEModel, make_batch
+from te_paged.runtime.planner import RoutingProfile
 from te_paged.runtime.runner import PagedStashRunner
 
 __all__ = ["ABResult", "RankResult", "format_table", "gather", "run_ab"]
@@ -51,7 +52,7 @@ class RankResult:
     pops: int
     memory_method: str
     timeline: list[dict]
-    routing: list[list[list[int]]] | None = None  # OFF run, summed over ranks: [step][layer][E]
+    routing: RoutingProfile | None = None  # the OFF run's, recorded by its runner
 
 
 @dataclasses.dataclass
@@ -99,19 +100,19 @@ def _run(
     rank: int,
     progress: Callable[[str], None] | None,
     timeline: bool,
-    routing: list | None = None,
-) -> tuple[list[StepResult], list[list[torch.Tensor]], ToyMoEModel]:
+    record_routing: bool = False,
+) -> tuple[list[StepResult], list[list[torch.Tensor]], ToyMoEModel, PagedStashRunner]:
     model = ToyMoEModel(cfg, paged=paged, group=group, device=device, record_timeline=timeline)
-    counts: list[torch.Tensor] = []
-    if routing is not None:
-        for layer in model.layers:
-            layer.router.register_forward_hook(
-                lambda m, i, out: counts.append(out.tokens_per_expert)
-            )
     if cfg.skew and rank == 0:
         for layer in model.layers:
             layer.router.set_skew([0], cfg.skew)
-    runner = PagedStashRunner(model, model.manager, group=group, measure_fallback_memory=False)
+    runner = PagedStashRunner(
+        model,
+        model.manager,
+        group=group,
+        measure_fallback_memory=False,
+        record_routing=record_routing,  # a host read and a collective per step: OFF run only
+    )
     steps, grads = [], []
     for step in range(cfg.steps):
         x, target = make_batch(cfg, step, rank, device)
@@ -131,12 +132,6 @@ def _run(
             loss, record = runner.step(step_fn)
         mem = meter.report
         grads.append(_grad_vector(model))
-        if routing is not None:  # recording only: a host read and a collective per step
-            step_counts = torch.stack(counts[: cfg.layers])
-            counts.clear()
-            if group is not None:
-                dist.all_reduce(step_counts, group=group)
-            routing.append(step_counts.tolist())
         norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads[-1]]))
         steps.append(
             StepResult(
@@ -154,7 +149,7 @@ def _run(
         if progress is not None:
             progress(f"{'ON ' if paged else 'OFF'} step {step + 1}/{cfg.steps}")
     steps[-1].record["memory_method"] = mem.method
-    return steps, grads, model
+    return steps, grads, model, runner
 
 
 def run_ab(
@@ -165,12 +160,13 @@ def run_ab(
     record_routing: bool = False,
 ) -> RankResult:
     """Run OFF then ON on this rank; compare; measure. ``record_routing`` keeps the OFF run's
-    tokens per expert (summed over ranks) for the planner."""
+    routing profile (tokens per expert per layer, by source rank) for the planner."""
     device = torch.device(device)
     rank = 0 if group is None else dist.get_rank(group)
-    routing: list | None = [] if record_routing else None
-    off, off_grads, _ = _run(cfg, False, group, device, rank, progress, False, routing)
-    on, on_grads, model = _run(cfg, True, group, device, rank, progress, rank == 0)
+    off, off_grads, _, off_runner = _run(
+        cfg, False, group, device, rank, progress, False, record_routing
+    )
+    on, on_grads, model, _ = _run(cfg, True, group, device, rank, progress, rank == 0)
     equal = [
         len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
         for a, b in zip(on_grads, off_grads)
@@ -193,7 +189,7 @@ def run_ab(
         stats.pops,
         on[-1].record["memory_method"],
         timeline,
-        routing,
+        off_runner.routing_profile() if record_routing else None,
     )
 
 

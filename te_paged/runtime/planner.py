@@ -3,13 +3,23 @@
 Profile: ``tokens[step][layer][expert]`` routed tokens, for a model with ``num_experts`` experts
 over ``ep_size`` ranks (rank ``r`` holds experts ``[r·E/P, (r+1)·E/P)``), ``tokens_per_rank``
 input tokens per rank and top-``k`` routing, so a rank's balanced load is ``N·k`` rows.
+Optionally ``tokens_by_source[step][layer][source][expert]``: the same counts split by the rank
+the tokens came from (what :class:`~te_paged.runtime.PagedStashRunner` records), a profile
+"step" being one forward pass of every MoE layer.
 
 For one step:
 
-* the **capacity factor** it needs is ``max over layers and ranks of received / (N·k)`` — any
-  rank over its budget in any layer reruns the step;
+* the **capacity factor** it needs: te_paged's dispatcher lets each source rank send at most
+  ``C = cf·N·k / P`` rows to each destination rank, so with ``tokens_by_source`` it is ``max
+  over layers and (source, destination) pairs of rows × P / (N·k)`` — exact: any pair over its
+  budget reruns the step. Without it only the per-rank totals are known, and ``max over layers
+  and ranks of received / (N·k)`` is a lower bound (a one-sided skew fills a pair first);
 * the **CUDA buffer factor** it needs is ``max over ranks of Σ_layers received / (L·N·k)`` —
   the stash pool is shared by all layers, so skew averages over layers (the point of paging).
+
+Worked example (2 ranks, 2 experts, N·k = 8): rank 0 routes all 8 rows to expert 0 (on rank 0)
+and rank 1 all 8 to expert 1 (rank 1). Each rank receives 8 = N·k rows (per-rank need 1.0), but
+the pairs (0→0) and (1→1) carry 8 rows against ``C = cf·8/2``: the budget needs ``cf = 2.0``.
 
 A factor that covers the ``1 − target_rerun_rate`` quantile of the per-step needs reruns at
 most that fraction of steps. Memory per choice: the static buffers cost
@@ -43,37 +53,71 @@ class RoutingProfile:
     ep_size: int
     top_k: int
     tokens_per_rank: int
-    tokens: list[list[list[int]]]  # [step][layer][expert]
+    tokens: list[list[list[int]]] | None = None  # [step][layer][expert], all sources
+    tokens_by_source: list[list[list[list[int]]]] | None = None  # [step][layer][source][expert]
 
     def __post_init__(self) -> None:
         if self.num_experts % self.ep_size:
             raise ValueError(
                 f"num_experts={self.num_experts} is not divisible by ep_size={self.ep_size}"
             )
+        if self.tokens_by_source is not None:
+            summed = []
+            for s, step in enumerate(self.tokens_by_source):
+                for layer, sources in enumerate(step):
+                    if len(sources) != self.ep_size:
+                        raise ValueError(
+                            f"tokens_by_source step {s} layer {layer} has {len(sources)} "
+                            f"source ranks, expected ep_size={self.ep_size}"
+                        )
+                    self._check_experts(sources, f"tokens_by_source step {s} layer {layer}")
+                summed.append([[sum(col) for col in zip(*sources)] for sources in step])
+            if self.tokens is None:
+                self.tokens = summed
+            elif self.tokens != summed:
+                raise ValueError("tokens is not tokens_by_source summed over source ranks")
         if not self.tokens:
-            raise ValueError("the routing profile has no steps")
+            raise ValueError("the routing profile has no steps (give tokens or tokens_by_source)")
         for s, step in enumerate(self.tokens):
-            for layer, counts in enumerate(step):
-                if len(counts) != self.num_experts:
-                    raise ValueError(
-                        f"step {s} layer {layer} has {len(counts)} experts, "
-                        f"expected {self.num_experts}"
-                    )
+            self._check_experts(step, f"step {s}")
+
+    def _check_experts(self, rows: list[list[int]], where: str) -> None:
+        for i, counts in enumerate(rows):
+            if len(counts) != self.num_experts:
+                raise ValueError(
+                    f"{where} [{i}] has {len(counts)} experts, expected {self.num_experts}"
+                )
 
     @property
     def balanced(self) -> int:
         return self.tokens_per_rank * self.top_k
 
+    @property
+    def pairwise(self) -> bool:
+        """True when the capacity needs are exact for the per-pair budget (counts by source)."""
+        return self.tokens_by_source is not None
+
+    def _by_rank(self, counts: list[int]) -> list[int]:
+        per = self.num_experts // self.ep_size
+        return [sum(counts[r * per : (r + 1) * per]) for r in range(self.ep_size)]
+
     def received(self, step: int) -> list[list[int]]:
         """``[layer][rank]`` rows each rank receives."""
-        per = self.num_experts // self.ep_size
-        return [
-            [sum(counts[r * per : (r + 1) * per]) for r in range(self.ep_size)]
-            for counts in self.tokens[step]
-        ]
+        return [self._by_rank(counts) for counts in self.tokens[step]]
 
     def capacity_needs(self) -> list[float]:
-        return [max(map(max, self.received(s))) / self.balanced for s in range(len(self.tokens))]
+        """Per step, the capacity factor the dispatch budget needed (see the module docstring:
+        exact per pair with ``tokens_by_source``, else a per-rank lower bound)."""
+        if self.tokens_by_source is None:
+            return [
+                max(map(max, self.received(s))) / self.balanced for s in range(len(self.tokens))
+            ]
+        return [
+            max(max(self._by_rank(src)) for sources in step for src in sources)
+            * self.ep_size
+            / self.balanced
+            for step in self.tokens_by_source
+        ]
 
     def buffer_needs(self) -> list[float]:
         needs = []
@@ -91,9 +135,9 @@ class RoutingProfile:
 
     @classmethod
     def load(cls, path: str | Path) -> RoutingProfile:
-        """JSON (the fields above) or CSV with a header of the fields and rows
-        ``step,layer,expert,tokens`` after a ``#`` line ``num_experts,ep_size,top_k,
-        tokens_per_rank`` of values."""
+        """JSON (the fields above) or CSV: a ``#`` line ``num_experts,ep_size,top_k,
+        tokens_per_rank`` of values, then a header and rows ``step,layer,expert,tokens`` or,
+        split by source rank, ``step,layer,source,expert,tokens``."""
         path = Path(path)
         if path.suffix == ".json":
             return cls(**json.loads(path.read_text()))
@@ -109,10 +153,18 @@ class RoutingProfile:
         rows = list(csv.DictReader(lines[1:]))
         steps = 1 + max(int(r["step"]) for r in rows)
         layers = 1 + max(int(r["layer"]) for r in rows)
-        tokens = [[[0] * meta["num_experts"] for _ in range(layers)] for _ in range(steps)]
+        by_source = "source" in rows[0]
+        sources = meta["ep_size"] if by_source else 1
+        tokens = [
+            [[[0] * meta["num_experts"] for _ in range(sources)] for _ in range(layers)]
+            for _ in range(steps)
+        ]
         for r in rows:
-            tokens[int(r["step"])][int(r["layer"])][int(r["expert"])] = int(r["tokens"])
-        return cls(tokens=tokens, **meta)
+            src = int(r["source"]) if by_source else 0
+            tokens[int(r["step"])][int(r["layer"])][src][int(r["expert"])] = int(r["tokens"])
+        if by_source:
+            return cls(tokens_by_source=tokens, **meta)
+        return cls(tokens=[[layer[0] for layer in step] for step in tokens], **meta)
 
 
 def _quantile(values: Sequence[float], q: float) -> float:

@@ -12,6 +12,13 @@ The collective is one ``all_reduce(SUM)`` over a small vector: three 0/1 flags (
 counts of ranks) followed by one slot per rank for that rank's statistics (zero elsewhere, so
 the sum *is* the gather). That is the only device→host read of a step without fallback.
 
+With ``record_routing=True`` the runner also records, for ``te-paged plan``, every MoE layer's
+tokens per expert on every rank of the expert-parallel group (one ``all_gather`` and one host
+read per step, so only while profiling): :meth:`PagedStashRunner.routing_profile` returns them
+as a :class:`~te_paged.runtime.planner.RoutingProfile` split by source rank, from which the
+planner sizes the dispatcher's per-pair budget exactly. Only the attempt whose result is kept
+counts, and a router run again inside backward (activation recomputation) is not counted twice.
+
 A runaway guard stops the prior art's failure mode — a faulty signal that made every step rerun
 until the dropless fallback ran out of memory: after ``max_consecutive_fallbacks`` fallbacks in
 a row the next one raises :class:`FallbackLimitError` with the factors that would have fitted.
@@ -20,6 +27,7 @@ a row the next one raises :class:`FallbackLimitError` with the factors that woul
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from collections.abc import Callable
@@ -31,6 +39,7 @@ from torch import nn
 
 from te_paged.kernels.layout import Flag
 from te_paged.runtime.memory import measure_peak
+from te_paged.runtime.planner import RoutingProfile
 from te_paged.stash import PagedStashManager
 
 __all__ = ["FallbackLimitError", "PagedStashRunner", "StepRecord"]
@@ -83,6 +92,7 @@ class PagedStashRunner:
         max_consecutive_fallbacks: int = 3,
         grow_pool: bool = False,
         measure_fallback_memory: bool = True,
+        record_routing: bool = False,
     ) -> None:
         if max_consecutive_fallbacks < 1:
             raise ValueError(
@@ -102,6 +112,20 @@ class PagedStashRunner:
         self.before_rerun: Callable[[], None] | None = None
         self.step_index = 0
         self.records: list[StepRecord] = []
+        self.record_routing = record_routing
+        self._route_calls: list[tuple[int, torch.Tensor]] = []  # (layer, tokens_per_expert_E)
+        self._routing: list[torch.Tensor] = []  # per step, CPU int64 [pass, layer, source, expert]
+        self._routed_tokens = 0
+        if record_routing:
+            if not self.layers:
+                raise ValueError("record_routing: the model has no MoE layer")
+            for i, layer in enumerate(self.layers):
+                if not isinstance(getattr(layer, "router", None), nn.Module):
+                    raise ValueError(
+                        f"record_routing needs te_paged MoE layers (a .router returning "
+                        f"tokens_per_expert); {type(layer).__name__} has none"
+                    )
+                layer.router.register_forward_hook(functools.partial(self._on_route, i))
 
     # ---------------------------------------------------------------------------- collective
 
@@ -172,6 +196,7 @@ class PagedStashRunner:
         if self.manager is not None:
             self.manager.reset()
         self._reset_flags()
+        self._route_calls.clear()
         result = step_fn()
         (overflow, overbudget, spill), per_rank, keys = self._reduce()
         budget, balanced = self._budget()
@@ -207,6 +232,8 @@ class PagedStashRunner:
             self.consecutive_fallbacks += 1
         else:
             self.consecutive_fallbacks = 0
+        if self.record_routing:
+            self._gather_routing()
         self.step_index += 1
         self.records.append(record)
         return result, record
@@ -244,6 +271,7 @@ class PagedStashRunner:
                 )
                 self.manager.buffer_size_factor_cuda = factor
         self._set_fallback(True)
+        self._route_calls.clear()  # the rerun routes the same tokens again: count them once
         if self.before_rerun is not None:
             self.before_rerun()
         try:
@@ -254,6 +282,51 @@ class PagedStashRunner:
         record.enabled = False
         record.fallback_peak_bytes, record.fallback_memory_method = peak, method
         return result
+
+    # ------------------------------------------------------------------------------ routing
+
+    def _on_route(self, layer: int, module: nn.Module, inputs: Any, out: Any) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return  # a recomputation inside backward: this forward was already counted
+        self._route_calls.append((layer, out.tokens_per_expert.detach()))
+
+    def _gather_routing(self) -> None:
+        calls = [
+            [t for i, t in self._route_calls if i == layer] for layer in range(len(self.layers))
+        ]
+        passes = {len(c) for c in calls}
+        if len(passes) != 1:
+            raise RuntimeError(
+                "record_routing: the MoE layers ran different numbers of times in one step "
+                f"({[len(c) for c in calls]}); a profile needs every layer once per forward pass"
+            )
+        if not calls[0]:
+            return
+        local = torch.stack([torch.stack(c) for c in calls], dim=1)  # [pass, layer, expert]
+        d = self.layers[0].dispatcher
+        gathered = [local]
+        if d.ep_size > 1:
+            gathered = [torch.empty_like(local) for _ in range(d.ep_size)]
+            dist.all_gather(gathered, local, group=d.group)
+        self._routing.append(torch.stack(gathered, dim=2).cpu())  # the host read
+        self._routed_tokens = d.last_num_tokens
+        self._route_calls.clear()
+
+    def routing_profile(self) -> RoutingProfile:
+        """The routing recorded so far (``record_routing=True``), one profile step per forward
+        pass, split by source rank; ``.to_json(path)`` writes it for ``te-paged plan``."""
+        if not self.record_routing:
+            raise RuntimeError("construct the runner with record_routing=True to record routing")
+        if not self._routing:
+            raise RuntimeError("no step has been recorded yet")
+        d = self.layers[0].dispatcher
+        return RoutingProfile(
+            num_experts=d.config.num_moe_experts,
+            ep_size=d.ep_size,
+            top_k=d.config.moe_router_topk,
+            tokens_per_rank=self._routed_tokens,
+            tokens_by_source=torch.cat(self._routing).tolist(),
+        )
 
     def _measured(self, step_fn: Callable[[], Any]) -> tuple[Any, int | None, str | None]:
         if not self.measure_fallback_memory:

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
-import pytest
+from fractions import Fraction
 
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from te_paged.config import MoEConfig
+from te_paged.moe.dispatcher import static_budget
 from te_paged.runtime.planner import (
     NAMED_CONFIGS,
     RoutingProfile,
@@ -29,6 +35,64 @@ def test_per_step_needs() -> None:
     )
     assert p.capacity_needs() == [1.0, 1.5]
     assert p.buffer_needs() == [1.0, 1.0]  # the shared pool absorbs the one skewed layer
+
+
+def test_counts_by_source_give_the_per_pair_need() -> None:
+    # The module docstring's example: each rank keeps its 8 rows (N·k = 8, 2 ranks, 2 experts).
+    # Per rank that is balanced (1.0); per (source, destination) pair it is 8 rows against a
+    # pair budget of cf·8/2, so the dispatcher needs cf = 2.0.
+    by_source = [[[[8, 0], [0, 8]]]]
+    kw = {"num_experts": 2, "ep_size": 2, "top_k": 2, "tokens_per_rank": 4}
+    exact = RoutingProfile(tokens_by_source=by_source, **kw)
+    summed = RoutingProfile(tokens=[[[8, 8]]], **kw)
+    assert exact.tokens == summed.tokens and exact.pairwise and not summed.pairwise
+    assert summed.capacity_needs() == [1.0]
+    assert exact.capacity_needs() == [2.0]
+    assert exact.buffer_needs() == summed.buffer_needs() == [1.0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ep=st.sampled_from([1, 2, 4]),
+    per_rank=st.integers(1, 3),
+    tokens=st.integers(1, 40),
+    topk=st.integers(1, 2),
+    seed=st.randoms(use_true_random=False),
+)
+def test_recommended_factor_fits_the_dispatchers_pair_budget(ep, per_rank, tokens, topk, seed):
+    # The factor plan recommends (target 0) must give every profiled pair a budget that holds
+    # it, in the dispatcher's own arithmetic (rows rounded up, then to a multiple of EP).
+    experts = ep * per_rank
+    assume(topk <= experts)
+    by_source = []
+    for _ in range(2):  # layers
+        sources = []
+        for _ in range(ep):
+            counts = [0] * experts
+            for _ in range(tokens * topk):
+                counts[seed.randrange(experts)] += 1
+            sources.append(counts)
+        by_source.append(sources)
+    profile = RoutingProfile(experts, ep, topk, tokens, tokens_by_source=[by_source])
+    pair_peak = max(
+        sum(src[r * per_rank : (r + 1) * per_rank]) for layer in by_source for src in layer
+        for r in range(ep)
+    )  # fmt: skip
+    cf = recommend(profile, 0.0).capacity_factor
+
+    def pair_capacity(factor: float) -> int:
+        cfg = MoEConfig(
+            hidden_size=8,
+            moe_ffn_hidden_size=8,
+            num_moe_experts=experts,
+            moe_router_topk=topk,
+            moe_expert_rank_capacity_factor=factor,
+        )
+        return static_budget(cfg, tokens, ep)[1]
+
+    assert pair_capacity(cf) >= pair_peak
+    if cf > 1.0:  # minimal: 0.01 less falls short before the budget's rounding up
+        assert Fraction(str(round(cf - 0.01, 2))) * tokens * topk < pair_peak * ep
 
 
 def test_recommendation_covers_the_target_quantile() -> None:
@@ -62,6 +126,17 @@ def test_profile_files_round_trip(tmp_path) -> None:
     rows += [f"0,{layer},{e},{n}" for layer, c in enumerate(p.tokens[0]) for e, n in enumerate(c)]
     (tmp_path / "r.csv").write_text("\n".join(rows))
     assert RoutingProfile.load(tmp_path / "r.csv") == p
+    by_source = RoutingProfile(
+        num_experts=4, ep_size=2, top_k=2, tokens_per_rank=8,
+        tokens_by_source=[[[[1, 2, 3, 4], [0, 1, 0, 1]]]],
+    )  # fmt: skip
+    by_source.to_json(tmp_path / "s.json")
+    assert RoutingProfile.load(tmp_path / "s.json") == by_source
+    rows = ["#4,2,2,8", "step,layer,source,expert,tokens"]
+    for src, c in enumerate(by_source.tokens_by_source[0][0]):
+        rows += [f"0,0,{src},{e},{n}" for e, n in enumerate(c)]
+    (tmp_path / "s.csv").write_text("\n".join(rows))
+    assert RoutingProfile.load(tmp_path / "s.csv") == by_source
     with pytest.raises(ValueError, match=r"\.json or \.csv"):
         RoutingProfile.load(tmp_path / "r.txt")
 
@@ -71,6 +146,12 @@ def test_profile_validation() -> None:
         RoutingProfile(num_experts=5, ep_size=2, top_k=1, tokens_per_rank=1, tokens=[[[1] * 5]])
     with pytest.raises(ValueError, match="has 3 experts"):
         profile([[[1, 2, 3]]])
+    with pytest.raises(ValueError, match="2 source ranks, expected ep_size=3"):
+        RoutingProfile(3, 3, 1, 1, tokens_by_source=[[[[1, 1, 1], [1, 1, 1]]]])
+    with pytest.raises(ValueError, match="not tokens_by_source summed"):
+        RoutingProfile(2, 2, 1, 1, tokens=[[[1, 1]]], tokens_by_source=[[[[1, 0], [1, 0]]]])
+    with pytest.raises(ValueError, match="no steps"):
+        RoutingProfile(2, 2, 1, 1)
     with pytest.raises(ValueError, match="target_rerun_rate"):
         recommend(profile([[[1, 1, 1, 1]]]), 1.0)
 

@@ -183,3 +183,65 @@ def test_rejects_bad_arguments() -> None:
         PagedStashRunner(nn.Linear(2, 2), PagedStashManager(), max_consecutive_fallbacks=0)
     with pytest.raises(ValueError, match="no MoE layer"):
         PagedStashRunner(nn.Linear(2, 2))
+
+
+def _toy(buffer_factor: float = 1.1):
+    from te_paged.runtime.model import ModelConfig, ToyMoEModel, make_batch
+
+    cfg = ModelConfig(
+        layers=2, experts=4, topk=2, hidden=16, ffn=32, tokens=24, page_size=4,
+        buffer_factor_cuda=buffer_factor, steps=3,
+    )  # fmt: skip
+    model = ToyMoEModel(cfg, paged=True, group=None)
+    seen: list[torch.Tensor] = []  # every router call, reruns and recomputation included
+    for layer in model.layers:
+        layer.router.register_forward_hook(lambda m, i, o: seen.append(o.tokens_per_expert))
+    return cfg, model, seen, make_batch
+
+
+def test_routing_profile_counts_each_kept_forward_once() -> None:
+    cfg, model, seen, make_batch = _toy(buffer_factor=0.3)
+    runner = PagedStashRunner(model, model.manager, record_routing=True)
+    with pytest.raises(RuntimeError, match="no step"):
+        runner.routing_profile()
+    records = []
+    for step in range(2):
+        x, target = make_batch(cfg, step, 0)
+
+        def fn(x=x, target=target):
+            loss = model(x, target)
+            loss.backward()
+            return loss.detach()
+
+        records.append(runner.step(fn)[1])
+    assert [r.attempt for r in records] == [1, 2]  # step 1 overflowed the 0.3x pool: rerun
+    assert len(seen) == 3 * cfg.layers
+    profile = runner.routing_profile()
+    assert (profile.num_experts, profile.ep_size, profile.top_k) == (4, 1, 2)
+    assert profile.tokens_per_rank == 24 and profile.pairwise
+    kept = [seen[0:2], seen[4:6]]  # step 0, and step 1's rerun (the attempt kept)
+    assert profile.tokens_by_source == [[[t.tolist()] for t in step] for step in kept]
+    assert all(sum(c) == 24 * 2 for step in profile.tokens for c in step)
+
+
+def test_routing_profile_skips_recomputation_in_backward() -> None:
+    cfg, model, seen, make_batch = _toy()
+    runner = PagedStashRunner(model, model.manager, record_routing=True)
+    x, target = make_batch(cfg, 0, 0)
+
+    def fn():
+        loss = torch.utils.checkpoint.checkpoint(model, x, target, use_reentrant=False)
+        loss.backward()
+        return loss.detach()
+
+    runner.step(fn)
+    assert len(seen) == 2 * cfg.layers  # the routers ran again in backward
+    assert len(runner.routing_profile().tokens) == 1
+
+
+def test_routing_recording_needs_te_paged_layers() -> None:
+    model, manager = make()
+    with pytest.raises(ValueError, match="record_routing needs te_paged MoE layers"):
+        PagedStashRunner(model, manager, record_routing=True)
+    with pytest.raises(RuntimeError, match="record_routing=True"):
+        PagedStashRunner(model, manager).routing_profile()
