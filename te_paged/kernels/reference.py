@@ -34,8 +34,9 @@ def _ints(t: torch.Tensor) -> ctypes.Array | list[int]:
     to ``t`` (nothing to write back, nothing cached past this call, so a later resize cannot leave
     it dangling). Any other tensor gets a list copy; :func:`_store` writes it back.
     """
-    if t.device.type == "cpu" and t.is_contiguous() and t.dtype in _CTYPES and t.numel():
-        return (_CTYPES[t.dtype] * t.numel()).from_address(t.data_ptr())
+    ctype = _CTYPES.get(t.dtype)
+    if ctype is not None and t.is_cpu and t.is_contiguous() and t.numel():
+        return (ctype * t.numel()).from_address(t.data_ptr())
     return t.tolist()
 
 
