@@ -113,6 +113,11 @@ class _FusedGroupedMLP(torch.autograd.Function):
         ctx.counts = (len(c1.to_save), len(c2.to_save), len(saved3))
         ctx.num_rows = num_rows
         ctx.save_for_backward(*c1.to_save, *c2.to_save, *saved3)
+        for c in (c1, c2, c3):
+            # Only the saved copies may keep these alive: the stash has taken (or, under
+            # recompute, dropped) each of them, and a reference here would pin the static-size
+            # original for the life of the graph, pool and all.
+            c.to_save = ()
         return y_TH
 
     @staticmethod
@@ -138,6 +143,10 @@ class _FusedGroupedMLP(torch.autograd.Function):
         dx_TH = None
         if dh_TC is not None:
             dx_TH, _, _, _, *g1 = _GroupedLinearFn.backward(c1, dh_TC)
+        for c in (c1, c2, c3):
+            # Autograd frees a node's saved tensors after its backward; these references to
+            # them (reloaded at full static size) would otherwise outlive it, one layer each.
+            c.saved_tensors = ()
         return (dx_TH, dprobs_T, None, None, None, *g1, *g2)
 
 

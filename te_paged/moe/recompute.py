@@ -61,6 +61,10 @@ class _CheckpointFunction(torch.autograd.Function):
         input_grads = [None] * len(ctx.args)
         for i, t in zip(ctx.tensor_idx, inputs):
             input_grads[i] = t.grad if t.requires_grad else None
+        # The graph keeps ctx (and so ckpt) until the step's loss goes, and ctx and ckpt refer
+        # to each other: without this the refilled outputs (static size, one per layer) would
+        # outlive their use until then.
+        ckpt._release()
         return (None, None, *input_grads)
 
 
@@ -71,6 +75,7 @@ class CheckpointWithoutOutput:
         self._ctx: Any = None
         self._outputs: tuple[torch.Tensor, ...] = ()
         self._recomputed: tuple[Any, list[torch.Tensor]] | None = None
+        self._released = False
 
     def checkpoint(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Call ``fn(*args)`` without saving its outputs for backward."""
@@ -95,9 +100,18 @@ class CheckpointWithoutOutput:
             o.untyped_storage().resize_(0)
         hook_tensor.grad_fn.register_prehook(lambda grads: self._recompute())
 
+    def _release(self) -> None:
+        self._ctx, self._outputs, self._recomputed = None, (), None
+        self._released = True
+
     def _recompute(self) -> None:
         if self._recomputed is not None:
             return
+        if self._released:
+            raise RuntimeError(
+                "CheckpointWithoutOutput recomputes once: its outputs were released after the "
+                "first backward (a second backward through the same graph is not supported)"
+            )
         ctx = self._ctx
         saved = ctx.saved_tensors
         inputs = [t.detach().requires_grad_(t.requires_grad) for t in saved]
