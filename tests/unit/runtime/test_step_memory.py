@@ -42,8 +42,9 @@ def step_peak(cfg: ModelConfig, paged: bool) -> tuple[int, ToyMoEModel]:
 
 @pytest.mark.parametrize("op_fuser", [False, True], ids=["unfused", "op_fuser"])
 @pytest.mark.parametrize("recompute", [False, True], ids=["", "recompute"])
-def test_step_peak_saving_matches_the_reload_adjusted_model(op_fuser, recompute) -> None:
-    cfg = ModelConfig(**{**BASE.__dict__, "op_fuser": op_fuser, "recompute": recompute})
+@pytest.mark.parametrize("fp8", [None, "mxfp8"], ids=["", "mxfp8"])
+def test_step_peak_saving_matches_the_reload_adjusted_model(op_fuser, recompute, fp8) -> None:
+    cfg = ModelConfig(**{**BASE.__dict__, "op_fuser": op_fuser, "recompute": recompute, "fp8": fp8})
     off, _ = step_peak(cfg, paged=False)
     on, model = step_peak(cfg, paged=True)
     manager = model.manager
@@ -54,5 +55,6 @@ def test_step_peak_saving_matches_the_reload_adjusted_model(op_fuser, recompute)
         for key, buf in manager.buffers.items()
     )
     expected = reload_adjusted_saving(cfg.capacity_factor, cfg.buffer_factor_cuda, s_bytes, 6)
-    # Measured 0.99-1.11 of the model on these four paths (0.561-0.628 S against 0.567 S).
-    assert 0.9 * expected <= off - on <= 1.25 * expected, ((off - on) / s_bytes, expected / s_bytes)
+    # Measured 0.98-1.11 of the model on these eight paths.
+    ratio = (off - on) / expected
+    assert 0.9 <= ratio <= 1.25, ((off - on) / s_bytes, expected / s_bytes)
