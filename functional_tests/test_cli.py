@@ -167,6 +167,20 @@ def test_plan_named_model_reproduces_the_maxtext_table() -> None:
     assert "3.50 GiB per layer, 210.00 GiB over all layers static; 52.50 GiB" in proc.stdout
 
 
+def test_plan_says_a_totals_only_profile_gives_a_lower_bound(tmp_path) -> None:
+    # Rank 0 keeps its 8 rows, rank 1 likewise: 1.0 per rank, 2.0 per (source, dest) pair.
+    kw = {"num_experts": 2, "ep_size": 2, "top_k": 2, "tokens_per_rank": 4}
+    RoutingProfile(tokens=[[[8, 8]]], **kw).to_json(tmp_path / "totals.json")
+    RoutingProfile(tokens_by_source=[[[[8, 0], [0, 8]]]], **kw).to_json(tmp_path / "pairs.json")
+    totals = te_paged("plan", "--profile", str(tmp_path / "totals.json"))
+    pairs = te_paged("plan", "--profile", str(tmp_path / "pairs.json"))
+    assert totals.returncode == pairs.returncode == 0
+    assert "moe_expert_rank_capacity_factor        = 1.00" in totals.stdout
+    assert "so the capacity factor is a lower bound" in totals.stdout
+    assert "moe_expert_rank_capacity_factor        = 2.00" in pairs.stdout
+    assert "exact for te_paged's budget per (source, destination) rank pair" in pairs.stdout
+
+
 def test_plan_needs_exactly_one_source() -> None:
     proc = te_paged("plan")
     assert proc.returncode == 2 and "exactly one of --profile or --model" in proc.stderr

@@ -312,7 +312,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             f"  expert MLP saved activations: static {_gib(s['mlp_saved_bytes_static'])}, "
             f"pool ({args.buffer_factor} x S) {_gib(s['mlp_saved_bytes_pool'])}, S "
             f"{_gib(s['S_bytes'])}; predicted saving (cf - bf) x S "
-            f"{_gib(s['predicted_saving_bytes'])}"
+            f"{_gib(s['predicted_saving_bytes'])}; at the step's peak, with one layer "
+            f"reloaded at static size, (cf - bf - cf/L) x S {_gib(s['peak_saving_bytes'])}"
         )
         return 0
     profile = planner.RoutingProfile.load(args.profile)

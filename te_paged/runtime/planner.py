@@ -299,4 +299,6 @@ def named_sizes(
         "mlp_saved_bytes_pool": buffer_factor * s_bytes,
         "S_bytes": s_bytes,
         "predicted_saving_bytes": (worst / balanced - buffer_factor) * s_bytes,
+        # Backward reloads one layer's tensors at static size while the pool holds the rest.
+        "peak_saving_bytes": (worst / balanced * (1 - 1 / layers) - buffer_factor) * s_bytes,
     }

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from te_paged.config import MoEConfig
 from te_paged.moe.dispatcher import static_budget
+from te_paged.runtime.memory import reload_adjusted_saving
 from te_paged.runtime.planner import (
     NAMED_CONFIGS,
     RoutingProfile,
@@ -186,4 +187,7 @@ def test_capacity_model_matches_megatron_arithmetic() -> None:
     )
     s = sizes["S_bytes"]
     assert sizes["predicted_saving_bytes"] == pytest.approx(0.9 * s)
+    # At the step's peak one of the 58 layers is reloaded at static size (the ab table's model).
+    assert sizes["peak_saving_bytes"] == pytest.approx(reload_adjusted_saving(2.0, 1.1, s, 58))
+    assert sizes["peak_saving_bytes"] == pytest.approx((0.9 - 2.0 / 58) * s)
     assert stashed_bytes_per_token(7168, 2048) == (7168 + 4096 + 2048) * 2 + 4
