@@ -23,6 +23,8 @@ spawned worker only):
   ``FP8GlobalStateManager``. Stand-in: ``_get_cuda_rng_state`` returns ``None`` and
   ``_set_cuda_rng_state`` does nothing (the CPU RNG is still saved and restored), and
   ``fp8 = bool(fp8)``.
+* ``dist_checkpointing``'s file writer calls ``torch.cuda.synchronize()`` before copying
+  tensors to the host. Stand-in: a no-op (everything is on the host already).
 * ``jit_fuser = torch.compile`` on the fused activations: inductor needs ~30 s per process on
   CPU. Stand-in: ``torch._dynamo.config.disable = True``; they run eagerly, the same code in the
   reference and in the te_paged layers.
@@ -35,7 +37,7 @@ import importlib
 import torch
 
 PINNED_VERSION = "0.16.1"
-PIP_INSTALL = f"pip install --no-deps megatron-core=={PINNED_VERSION} numpy packaging"
+PIP_INSTALL = f"pip install --no-deps megatron-core=={PINNED_VERSION} numpy packaging psutil"
 INSTALL_HINT = (
     f"the Megatron functional tests need megatron-core=={PINNED_VERSION}; install it next to "
     f"the pinned CPU torch with `{PIP_INSTALL}` (scripts/test.sh does this)"
@@ -113,6 +115,7 @@ def install() -> None:
 
     torch._dynamo.config.disable = True  # read per frame, so it holds for compiled-at-import fns
     torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda *args, **kwargs: None
     moe_utils.te_general_gemm = None
     dispatcher = token_dispatcher.MoEAlltoAllTokenDispatcher
     dispatcher.cuda_dtoh_stream = object()  # non-None: the constructor then creates no stream

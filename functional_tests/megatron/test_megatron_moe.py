@@ -136,3 +136,24 @@ def test_paged_stash_on_off_bitwise_and_used(ranks, case) -> None:
 def test_checkpoint_round_trip_to_sequential_layout(ranks, case) -> None:
     for rank, result in enumerate(ranks):
         assert result[worker.case_id(*case)]["roundtrip_mismatches"] == [], f"rank {rank}"
+
+
+@pytest.mark.parametrize("ep", worker.EPS)
+def test_dist_checkpoint_moves_between_megatron_and_te_paged(ranks, ep) -> None:
+    # Megatron's dist_checkpointing, both ways; the layers start from different weights, so
+    # equality after loading is the checkpoint's doing. Before te_paged's experts wrote
+    # Megatron's expert-sharded keys, loading a SequentialMLP checkpoint failed on missing keys
+    # (and at EP > 1 every rank claimed its own experts 0..L-1 as the main copy).
+    for rank, result in enumerate(ranks):
+        case = result[f"dist_checkpoint-ep{ep}"]
+        assert case["differs_before"], f"rank {rank}"
+        assert case["load_seq_into_te_paged"] == "<All keys matched successfully>", rank
+        assert case["load_te_paged_into_seq"] == "<All keys matched successfully>", rank
+        assert case["seq_to_te_paged"] and case["te_paged_to_seq"], f"rank {rank}: {case}"
+        # Megatron's TEGroupedMLP over te_paged's GroupedLinear reads and writes the same.
+        for key in ("load_seq_into_grouped_linears", "load_grouped_linears_into_te_paged"):
+            assert case[key] == "<All keys matched successfully>", (rank, key)
+        assert case["seq_to_grouped_linears"] and case["grouped_linears_to_te_paged"], case
+        if ep > 1:  # resharded: EP 1's checkpoint, each rank its global experts
+            assert case["load_ep1_into_te_paged"] == "<All keys matched successfully>", rank
+            assert case["ep1_to_te_paged"], f"rank {rank}: {case}"

@@ -14,7 +14,8 @@ each), both dropless dispatchers and ``moe_act`` recompute off/on, it builds Meg
 Each rank writes ``rank<r>.json``: per case and comparison, per tensor (output, input grad,
 router weight grad, each expert weight grad in ``SequentialMLP`` naming), whether it is bitwise
 equal to the other side and its largest absolute difference; plus the stash statistics and the
-checkpoint round trip.
+checkpoint round trip; and, per EP size, Megatron distributed checkpoints moved between
+``SequentialMLP`` and te_paged's experts, and from EP 1 to EP 4.
 """
 
 from __future__ import annotations
@@ -191,6 +192,90 @@ def run_case(ep: int, dispatcher: str, recompute: bool, rank: int) -> dict:
     return result
 
 
+def _experts_only(state_dict: dict) -> dict[str, torch.Tensor]:
+    """The expert weights of a ``SequentialMLP``-layout state dict (``_extra_state`` aside)."""
+    return {k: v for k, v in state_dict.items() if "local_experts" in k and "_extra_state" not in k}
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def dist_checkpoint_case(ep: int, rank: int, root: Path) -> dict:
+    """Megatron ``dist_checkpointing`` between ``SequentialMLP``, te_paged's experts and
+    Megatron's ``TEGroupedMLP`` over te_paged's linears, at this EP size; at EP > 1 also loads
+    the EP-1 checkpoint of the first phase."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer.spec_utils import build_module
+
+    from te_paged.integrations import megatron as tpm
+
+    config = megatron_config(ep, "alltoall", False)
+
+    def build(kind: str, seed: int) -> torch.nn.Module:
+        # Every layer starts different; replicas of the same experts (expert-data-parallel
+        # ranks, all 4 at EP 1) the same, as in training: the checkpoint keeps one of them.
+        torch.manual_seed(seed + parallel_state.get_expert_model_parallel_rank())
+        if kind == "sequential":
+            spec = get_moe_module_spec(use_te=False, num_experts=EXPERTS, moe_grouped_gemm=False)
+        elif kind == "grouped_linears":  # Megatron's TEGroupedMLP over te_paged's linears
+            spec = tpm.get_te_paged_linear_moe_spec()
+        else:
+            spec = tpm.get_te_paged_moe_spec(config)
+        return build_module(spec, config=config)
+
+    def experts(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return _experts_only(tpm.to_megatron_sequential_state_dict(layer))
+
+    def save(layer: torch.nn.Module, name: str) -> Path:
+        path = root / f"{name}-ep{ep}"
+        if rank == 0:
+            path.mkdir(parents=True)
+        dist.barrier()
+        dist_checkpointing.save(layer.sharded_state_dict(), str(path))
+        return path
+
+    def load(layer: torch.nn.Module, path: Path) -> str:
+        loaded = dist_checkpointing.load(layer.sharded_state_dict(), str(path))
+        return str(layer.load_state_dict(loaded, strict=True))
+
+    result: dict = {}
+    reference, ours = build("sequential", 100), build("te_paged", 200)
+    result["differs_before"] = not _same(experts(ours), _experts_only(reference.state_dict()))
+    result["load_seq_into_te_paged"] = load(ours, save(reference, "sequential"))
+    result["seq_to_te_paged"] = _same(experts(ours), _experts_only(reference.state_dict()))
+    saved, back = build("te_paged", 300), build("sequential", 400)
+    result["load_te_paged_into_seq"] = load(back, save(saved, "te_paged"))
+    result["te_paged_to_seq"] = _same(_experts_only(back.state_dict()), experts(saved))
+    grouped = build("grouped_linears", 600)
+    result["load_seq_into_grouped_linears"] = load(grouped, root / f"sequential-ep{ep}")
+    result["seq_to_grouped_linears"] = _same(
+        experts(grouped), _experts_only(reference.state_dict())
+    )
+    grouped, ours = build("grouped_linears", 700), build("te_paged", 800)
+    result["load_grouped_linears_into_te_paged"] = load(ours, save(grouped, "grouped_linears"))
+    result["grouped_linears_to_te_paged"] = _same(experts(ours), experts(grouped))
+    if ep == 1:
+        if rank == 0:
+            torch.save(_experts_only(reference.state_dict()), root / "ep1-experts.pt")
+    else:
+        resharded = build("te_paged", 500)
+        result["load_ep1_into_te_paged"] = load(resharded, root / "sequential-ep1")
+        whole = torch.load(root / "ep1-experts.pt")
+        per_rank = EXPERTS // ep
+        mine = {}
+        for local in range(per_rank):
+            for k, v in whole.items():
+                prefix = f"experts.local_experts.{rank * per_rank + local}."
+                if k.startswith(prefix):
+                    mine[f"experts.local_experts.{local}.{k[len(prefix) :]}"] = v
+        result["ep1_to_te_paged"] = _same(experts(resharded), mine)
+    dist.barrier()
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for rank<r>.json")
@@ -214,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
                         results[case_id(ep, dispatcher, recompute)] = run_case(
                             ep, dispatcher, recompute, rank
                         )
+                results[f"dist_checkpoint-ep{ep}"] = dist_checkpoint_case(
+                    ep, rank, args.out / "dist_checkpoint"
+                )
             finally:
                 parallel_state.destroy_model_parallel()
     finally:

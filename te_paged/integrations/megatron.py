@@ -16,7 +16,9 @@ Three ways in:
 * **checkpoints** — :func:`load_megatron_expert_state_dict` loads a Megatron expert state dict
   (``TEGroupedMLP``'s ``linear_fc1.weight{i}`` or ``SequentialMLP``'s
   ``local_experts.{i}.linear_fc1.weight``) into te_paged modules;
-  :func:`to_megatron_sequential_state_dict` and :func:`to_megatron_grouped_state_dict` go back.
+  :func:`to_megatron_sequential_state_dict` and :func:`to_megatron_grouped_state_dict` go back;
+  both adapters' ``sharded_state_dict`` write Megatron's distributed-checkpoint layout
+  (:mod:`te_paged.integrations.megatron_dist_ckpt`).
 
 What the experts receive depends on Megatron's dispatcher (megatron-core 0.16.1):
 
@@ -49,6 +51,11 @@ from torch import nn
 
 from te_paged.config import MoEConfig
 from te_paged.grouped import GroupedLinear
+from te_paged.integrations.megatron_dist_ckpt import (
+    drop_extra_state_keys,
+    expert_sharded_state_dict,
+    linear_sharded_state_dict,
+)
 from te_paged.moe import TEGroupedMLP, as_moe_config
 from te_paged.stash import PagedStashManager
 
@@ -67,7 +74,9 @@ __all__ = [
     "to_megatron_sequential_state_dict",
 ]
 
-INSTALL_HINT = "pip install --no-deps megatron-core numpy packaging  (keeps your torch as it is)"
+INSTALL_HINT = (
+    "pip install --no-deps megatron-core numpy packaging psutil  (keeps your torch as it is)"
+)
 
 
 def _megatron() -> SimpleNamespace:
@@ -169,7 +178,9 @@ class MegatronTEGroupedMLP(TEGroupedMLP):
     ``device`` (default: Megatron's rule, the CPU with ``use_cpu_initialization`` else the
     current device) and ``overrides`` (te_paged-only config fields, see
     :func:`megatron_moe_config`). Parameters are ``linear_fc1.weight{i}``/``linear_fc2.weight{i}``,
-    the names of Megatron's ``TEGroupedMLP``. Expert tensor parallelism is rejected.
+    the names of Megatron's ``TEGroupedMLP``; ``sharded_state_dict`` writes Megatron's
+    distributed checkpoint layout, interchangeable with ``SequentialMLP``'s and across EP sizes.
+    Expert tensor parallelism is rejected.
     """
 
     def __init__(
@@ -196,6 +207,18 @@ class MegatronTEGroupedMLP(TEGroupedMLP):
             name,
             manager=manager,
             device=device if device is not None else _param_device(config),
+        )
+        self.pg_collection = pg_collection
+        drop_extra_state_keys(self)
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict[str, Any]:
+        """Megatron's distributed checkpoint of these experts, with the keys and sharding of
+        Megatron's ``SequentialMLP``/``TEGroupedMLP``: see
+        :mod:`te_paged.integrations.megatron_dist_ckpt`."""
+        return expert_sharded_state_dict(
+            self, prefix, sharded_offsets, metadata, self.pg_collection
         )
 
 
@@ -320,6 +343,8 @@ class MegatronGroupedLinear(GroupedLinear):
         )
         self.skip_bias_add = skip_bias_add
         self.tp_comm_buffer_name, self.name = tp_comm_buffer_name, name
+        self.pg_collection = pg_collection
+        drop_extra_state_keys(self, ("",))
 
     def forward(  # type: ignore[override]
         self, x: torch.Tensor, tokens_per_expert: torch.Tensor | list[int]
@@ -332,6 +357,24 @@ class MegatronGroupedLinear(GroupedLinear):
 
     def backward_dw(self) -> None:
         """Megatron's delayed weight-gradient hook: te_paged computes them in backward."""
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict[str, Any]:
+        """What Transformer Engine's grouped linear gives Megatron's ``TEGroupedMLP``: one
+        sharded weight per local expert under ``{prefix}weight`` with the global expert axis
+        prepended (the module adds the swiglu split and its ``experts.`` prefix)."""
+        return linear_sharded_state_dict(
+            self,
+            prefix,
+            "",
+            prefix,
+            tp_axis=1 if self.tp_comm_buffer_name == "fc2" else 0,
+            swiglu=False,
+            sharded_offsets=sharded_offsets,
+            metadata=metadata,
+            pg_collection=self.pg_collection,
+        )
 
 
 def get_te_paged_linear_moe_spec(shared_experts: object = None) -> Any:

@@ -278,3 +278,20 @@ def test_importing_the_integration_does_not_import_megatron() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith("ok")
+
+
+def test_loading_ignores_transformer_engines_extra_state_of_the_expert_linears() -> None:
+    # Megatron's TE linears keep FP8 metadata in `_extra_state[i]` entries, and the distributed
+    # checkpoint hands them back: te_paged's linears skip them, strict loads still catch the rest.
+    layer = _linear()
+    sd = layer.state_dict()
+    extra = {"_extra_state": None, "_extra_state1": b"fp8 metadata", "_extra_state2": None}
+    assert str(layer.load_state_dict({**sd, **extra}, strict=True)).startswith("<All keys")
+    with pytest.raises(RuntimeError, match=r"Unexpected key\(s\).*_extra_state\.x"):
+        layer.load_state_dict({**sd, "_extra_state.x": None}, strict=True)
+    experts = tpm.MegatronTEGroupedMLP(E, megatron_config(), device="cpu")
+    sd = experts.state_dict()
+    extra = {"linear_fc1._extra_state": None, "linear_fc2._extra_state2": None}
+    assert str(experts.load_state_dict({**sd, **extra}, strict=True)).startswith("<All keys")
+    with pytest.raises(RuntimeError, match=r"Unexpected key.*router\._extra_state"):
+        experts.load_state_dict({**sd, "router._extra_state": None}, strict=True)
