@@ -146,6 +146,8 @@ def test_dist_checkpoint_moves_between_megatron_and_te_paged(ranks, ep) -> None:
     # (and at EP > 1 every rank claimed its own experts 0..L-1 as the main copy).
     for rank, result in enumerate(ranks):
         case = result[f"dist_checkpoint-ep{ep}"]
+        # Same keys, offsets and replica ids as SequentialMLP's, also with singleton shards.
+        assert case["same_layout"] == [True] * 4, f"rank {rank}"
         assert case["differs_before"], f"rank {rank}"
         assert case["load_seq_into_te_paged"] == "<All keys matched successfully>", rank
         assert case["load_te_paged_into_seq"] == "<All keys matched successfully>", rank

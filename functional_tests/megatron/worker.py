@@ -241,15 +241,30 @@ def dist_checkpoint_case(ep: int, rank: int, root: Path) -> dict:
         loaded = dist_checkpointing.load(layer.sharded_state_dict(), str(path))
         return str(layer.load_state_dict(loaded, strict=True))
 
+    def layout(layer: torch.nn.Module, singleton: bool) -> list:
+        """What the checkpoint stores for the experts: (key, offset, replica id) of each."""
+        metadata = {"singleton_local_shards": singleton}
+        sd = layer.sharded_state_dict(metadata=metadata)
+        return sorted(
+            (v.key, str(getattr(v, "global_offset", None)), str(v.replica_id))
+            for k, v in sd.items()
+            if k.startswith("experts.")
+        )
+
     result: dict = {}
     reference, ours = build("sequential", 100), build("te_paged", 200)
+    grouped = build("grouped_linears", 600)
+    result["same_layout"] = [
+        layout(reference, singleton) == layout(other, singleton)
+        for other in (ours, grouped)
+        for singleton in (False, True)
+    ]
     result["differs_before"] = not _same(experts(ours), _experts_only(reference.state_dict()))
     result["load_seq_into_te_paged"] = load(ours, save(reference, "sequential"))
     result["seq_to_te_paged"] = _same(experts(ours), _experts_only(reference.state_dict()))
     saved, back = build("te_paged", 300), build("sequential", 400)
     result["load_te_paged_into_seq"] = load(back, save(saved, "te_paged"))
     result["te_paged_to_seq"] = _same(_experts_only(back.state_dict()), experts(saved))
-    grouped = build("grouped_linears", 600)
     result["load_seq_into_grouped_linears"] = load(grouped, root / f"sequential-ep{ep}")
     result["seq_to_grouped_linears"] = _same(
         experts(grouped), _experts_only(reference.state_dict())
