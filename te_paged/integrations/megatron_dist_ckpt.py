@@ -66,6 +66,11 @@ def linear_sharded_state_dict(
     ``e`` instead).
     ``tp_axis``: 0 for a column-parallel FC1 (its bias split too), 1 for a row-parallel FC2;
     ``swiglu`` splits FC1's gated halves as Megatron's MLP does."""
+    if linear.single_grouped_weight or (linear.use_bias and linear.single_grouped_bias):
+        raise NotImplementedError(
+            "Megatron checkpoints of a single grouped weight or bias are not supported; build "
+            "the expert linears with one parameter per expert (the default)"
+        )
     from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
     from megatron.core.transformer.utils import (
         ensure_metadata_has_dp_cp_group,
@@ -73,11 +78,6 @@ def linear_sharded_state_dict(
     )
     from megatron.core.utils import get_pg_rank, get_pg_size
 
-    if linear.single_grouped_weight or (linear.use_bias and linear.single_grouped_bias):
-        raise NotImplementedError(
-            "Megatron checkpoints of a single grouped weight or bias are not supported; build "
-            "the expert linears with one parameter per expert (the default)"
-        )
     metadata = ensure_metadata_has_dp_cp_group(metadata)
     singleton = metadata.get("singleton_local_shards", False)
     ep, expt_dp, expt_tp = _groups(pg_collection)

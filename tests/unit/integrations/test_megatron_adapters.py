@@ -295,3 +295,11 @@ def test_loading_ignores_transformer_engines_extra_state_of_the_expert_linears()
     assert str(experts.load_state_dict({**sd, **extra}, strict=True)).startswith("<All keys")
     with pytest.raises(RuntimeError, match=r"Unexpected key.*router\._extra_state"):
         experts.load_state_dict({**sd, "router._extra_state": None}, strict=True)
+
+
+def test_distributed_checkpoint_of_a_single_grouped_weight_is_refused() -> None:
+    from te_paged.integrations.megatron_dist_ckpt import linear_sharded_state_dict
+
+    linear = GroupedLinear(E, H, FFN, bias=False, single_grouped_weight=True)
+    with pytest.raises(NotImplementedError, match="one parameter per expert"):
+        linear_sharded_state_dict(linear, "", "experts.", "linear_fc1.", tp_axis=0, swiglu=True)

@@ -245,3 +245,20 @@ def test_routing_recording_needs_te_paged_layers() -> None:
         PagedStashRunner(model, manager, record_routing=True)
     with pytest.raises(RuntimeError, match="record_routing=True"):
         PagedStashRunner(model, manager).routing_profile()
+
+
+def test_routing_profile_has_one_step_per_forward_pass() -> None:
+    # Two microbatches per step: two profile steps, each one forward pass of every layer.
+    cfg, model, seen, make_batch = _toy()
+    runner = PagedStashRunner(model, model.manager, record_routing=True)
+    batches = [make_batch(cfg, i, 0) for i in range(2)]
+
+    def fn():
+        for x, target in batches:
+            model(x, target).backward()
+
+    runner.step(fn)
+    profile = runner.routing_profile()
+    assert len(seen) == 2 * cfg.layers and len(profile.tokens_by_source) == 2
+    for i, step in enumerate(profile.tokens_by_source):  # calls alternate layer 0, 1 per pass
+        assert step == [[seen[2 * i + layer].tolist()] for layer in range(cfg.layers)]
