@@ -124,7 +124,13 @@ def _parser() -> argparse.ArgumentParser:
         "buffer factors from a routing profile, or print a named model's "
         "sizes without running it.",
     )
-    plan.add_argument("--profile", type=Path, help="routing profile (.json or .csv)")
+    plan.add_argument(
+        "--profile",
+        type=Path,
+        help="routing profile (.json or .csv); counts by source rank (as `ab --record-profile` "
+        "and PagedStashRunner(record_routing=True) record them) make the capacity factor exact, "
+        "per-expert totals a lower bound",
+    )
     plan.add_argument("--target-rerun-rate", type=float, default=0.01)
     plan.add_argument(
         "--host-spill",

@@ -75,7 +75,6 @@ class CheckpointWithoutOutput:
         self._ctx: Any = None
         self._outputs: tuple[torch.Tensor, ...] = ()
         self._recomputed: tuple[Any, list[torch.Tensor]] | None = None
-        self._released = False
 
     def checkpoint(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Call ``fn(*args)`` without saving its outputs for backward."""
@@ -102,12 +101,11 @@ class CheckpointWithoutOutput:
 
     def _release(self) -> None:
         self._ctx, self._outputs, self._recomputed = None, (), None
-        self._released = True
 
     def _recompute(self) -> None:
         if self._recomputed is not None:
             return
-        if self._released:
+        if self._ctx is None:  # only a released checkpoint gets here without its context
             raise RuntimeError(
                 "CheckpointWithoutOutput recomputes once: its outputs were released after the "
                 "first backward (a second backward through the same graph is not supported)"

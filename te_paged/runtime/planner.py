@@ -279,6 +279,8 @@ def named_sizes(
     otherwise a rank's balanced load is ``batch·seq·k`` rows and its static buffer
     ``capacity_factor`` times that (Megatron's HybridEP budget).
     """
+    from te_paged.runtime.memory import capacity_model_saving, reload_adjusted_saving
+
     layers = cfg.moe_layers if layers is None else layers
     if ring_of_experts:
         worst = batch * ep * seq * cfg.top_k
@@ -298,7 +300,8 @@ def named_sizes(
         "mlp_saved_bytes_static": (worst / balanced) * s_bytes,
         "mlp_saved_bytes_pool": buffer_factor * s_bytes,
         "S_bytes": s_bytes,
-        "predicted_saving_bytes": (worst / balanced - buffer_factor) * s_bytes,
-        # Backward reloads one layer's tensors at static size while the pool holds the rest.
-        "peak_saving_bytes": (worst / balanced * (1 - 1 / layers) - buffer_factor) * s_bytes,
+        "predicted_saving_bytes": capacity_model_saving(worst / balanced, buffer_factor, s_bytes),
+        "peak_saving_bytes": reload_adjusted_saving(
+            worst / balanced, buffer_factor, s_bytes, layers
+        ),
     }

@@ -70,3 +70,19 @@ def test_lifecycle_errors() -> None:
         ckpt.checkpoint(act, torch.randn(4, 32), torch.rand(4))
     with pytest.raises(ValueError, match="no grad_fn"):
         ckpt.discard_output_and_register_recompute(torch.ones(2))
+
+
+def test_backward_releases_the_outputs_and_a_second_backward_says_why() -> None:
+    # The recomputed output lives only until its backward: the graph, which the caller's loss
+    # keeps, must not hold it (it did, through the checkpoint, one static buffer per layer).
+    fc2 = GroupedLinear(2, 16, 8, bias=False)
+    h, p = torch.randn(12, 32, requires_grad=True), torch.rand(12, requires_grad=True)
+    ckpt = CheckpointWithoutOutput()
+    a = ckpt.checkpoint(act, h, p)
+    y = fc2(a, torch.tensor([5, 4]))
+    ckpt.discard_output_and_register_recompute(y)
+    loss = y.square().sum()
+    loss.backward(retain_graph=True)
+    assert ckpt._outputs == () and ckpt._ctx is None
+    with pytest.raises(RuntimeError, match="recomputes once"):
+        loss.backward()
