@@ -24,12 +24,13 @@ from te_paged.markers import (
 from te_paged.moe import (
     CheckpointWithoutOutput,
     MoELayer,
+    PagedStashParticipant,
     RouterOutput,
     StaticBudgetDispatcher,
     TEGroupedMLP,
     TopKRouter,
 )
-from te_paged.runtime import FallbackLimitError, PagedStashRunner, StepRecord
+from te_paged.runtime import FallbackLimitError, PagedStashRunner, StepDesyncError, StepRecord
 from te_paged.stash import PagedStashBuffer, PagedStashManager, StashKey, StashMode, StashStats
 
 __version__ = "0.1.0"
@@ -46,12 +47,14 @@ __all__ = [
     "MoELayer",
     "PagedStashBuffer",
     "PagedStashManager",
+    "PagedStashParticipant",
     "PagedStashRunner",
     "RouterOutput",
     "StashKey",
     "StashMode",
     "StashStats",
     "StaticBudgetDispatcher",
+    "StepDesyncError",
     "StepRecord",
     "TEGroupedMLP",
     "TopKRouter",

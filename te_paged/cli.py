@@ -25,17 +25,43 @@ from pathlib import Path
 __all__ = ["main"]
 
 
-def _model_args(p: argparse.ArgumentParser) -> None:
+def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
     from te_paged.runtime.model import ModelConfig
 
     d = ModelConfig()
     g = p.add_argument_group("model and run (defaults: the embedded default model)")
-    g.add_argument("--layers", type=int, default=d.layers, help="MoE layers (%(default)s)")
-    g.add_argument("--experts", type=int, default=d.experts, help="experts (%(default)s)")
-    g.add_argument("--topk", type=int, default=d.topk, help="experts per token (%(default)s)")
-    g.add_argument("--hidden", type=int, default=d.hidden, help="hidden size (%(default)s)")
-    g.add_argument("--ffn", type=int, default=d.ffn, help="expert FFN size (%(default)s)")
-    g.add_argument("--tokens", type=int, default=d.tokens, help="tokens per rank (%(default)s)")
+    if engines:
+        from te_paged.tools.megatron_ab import MegatronModelConfig
+
+        m = MegatronModelConfig()
+
+        def dflt(name: str) -> str:  # the two engines' defaults, resolved after parsing
+            a, b = getattr(d, name), getattr(m, name)
+            return f"{a}" if a == b else f"{a}; megatron engine {b}"
+
+        sizes = {"default": None}
+    else:
+
+        def dflt(name: str) -> str:
+            return f"{getattr(d, name)}"
+
+        sizes = {}
+    for flag, name, what in (
+        ("--layers", "layers", "MoE layers"),
+        ("--experts", "experts", "experts"),
+        ("--topk", "topk", "experts per token"),
+        ("--hidden", "hidden", "hidden size"),
+        ("--ffn", "ffn", "expert FFN size"),
+    ):
+        kw = sizes or {"default": getattr(d, name)}
+        g.add_argument(flag, type=int, help=f"{what} ({dflt(name)})", **kw)
+    g.add_argument(
+        "--tokens",
+        type=int,
+        default=d.tokens,
+        help="tokens per rank (%(default)s; the megatron engine takes --seq-length and "
+        "--micro-batch-size instead)",
+    )
     g.add_argument(
         "--capacity-factor",
         type=float,
@@ -59,7 +85,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
         "--fp8",
         choices=["tensorwise", "mxfp8"],
         default=None,
-        help="FP8 storage of saved inputs (default: none)",
+        help="FP8 storage of saved inputs (default: none; not with the megatron engine)",
     )
     g.add_argument("--recompute", action="store_true", help="selective recompute of moe_act")
     g.add_argument(
@@ -68,29 +94,86 @@ def _model_args(p: argparse.ArgumentParser) -> None:
         help="the fused FC1-activation-FC2 path (default: unfused)",
     )
     g.add_argument("--activation", choices=["swiglu", "quick_geglu"], default=d.activation)
-    g.add_argument("--steps", type=int, default=d.steps, help="training steps (%(default)s)")
+    g.add_argument(
+        "--steps",
+        type=int,
+        help=f"training steps ({dflt('steps')})",
+        **(sizes or {"default": d.steps}),
+    )
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument(
         "--skew",
         type=float,
         default=d.skew,
-        help="logit added to expert 0 on rank 0, to force over-budget reruns (0)",
+        help="logit added to expert 0 on rank 0 (the megatron engine: to its routing bias), "
+        "to force over-budget reruns (0)",
     )
     g.add_argument(
         "--kernel-backend", choices=["auto", "triton", "torch"], default=d.kernel_backend
     )
+    if not engines:
+        return
+    e = p.add_argument_group("engine (--engine megatron: a Megatron-core GPTModel)")
+    e.add_argument(
+        "--engine",
+        choices=["default", "megatron"],
+        default="default",
+        help="default: the embedded te_paged model; megatron: Megatron-core's GPTModel with "
+        "te_paged's MoE spec, Megatron DDP, optimizer and forward_backward_func under "
+        "MegatronPagedStashRunner (needs megatron-core 0.16.1)",
+    )
+    e.add_argument("--ep", type=int, help="expert-parallel size (default: every rank)")
+    e.add_argument("--dropout", type=float, help=f"hidden and attention dropout ({m.dropout})")
+    e.add_argument(
+        "--seq-length", type=int, default=m.seq_length, help="sequence length (%(default)s)"
+    )
+    e.add_argument("--micro-batch-size", type=int, default=m.micro_batch_size, help="(%(default)s)")
+    e.add_argument(
+        "--microbatches",
+        type=int,
+        default=m.microbatches,
+        help="microbatches per step, gradient accumulation (%(default)s)",
+    )
+    e.add_argument(
+        "--overlap-grad-reduce",
+        action="store_true",
+        help="Megatron DDP's overlapped gradient all-reduce",
+    )
+
+
+_MEGATRON_ONLY = ("ep", "dropout", "overlap_grad_reduce")
 
 
 def _model_config(args: argparse.Namespace):
     from te_paged.runtime.model import ModelConfig
 
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    kw = {k: v for k, v in vars(args).items() if k in fields}
-    kw["buffer_factor_cuda"], kw["buffer_factor_cpu"] = (
-        args.buffer_factor_cuda,
-        args.buffer_factor_cpu,
-    )
-    return ModelConfig(**kw)
+    megatron = getattr(args, "engine", "default") == "megatron"
+    if megatron:
+        from te_paged.tools.megatron_ab import MegatronModelConfig as cls
+    else:
+        cls = ModelConfig
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kw = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    if megatron:
+        kw.pop("tokens", None)  # seq_length x micro_batch_size
+    return cls(**kw)
+
+
+def _check_engine_args(args: argparse.Namespace) -> str | None:
+    """An error message for flags the chosen engine does not take, else None."""
+    if args.engine == "megatron":
+        if args.fp8:
+            return (
+                "--fp8 is not available with --engine megatron (FP8 in Megatron needs "
+                "Transformer Engine); use the default engine for FP8 storage"
+            )
+        return None
+    given = [
+        f"--{n.replace('_', '-')}" for n in _MEGATRON_ONLY if getattr(args, n) not in (None, False)
+    ]
+    if given:
+        return f"{', '.join(given)} only apply to --engine megatron"
+    return None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -106,7 +189,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Run the same model and data with paged stash ON and OFF "
         "and print a table of loss, grad norm, attempts, flags and memory.",
     )
-    _model_args(ab)
+    _model_args(ab, engines=True)
     ab.add_argument("--nproc", type=int, default=4, help="ranks to start (%(default)s)")
     ab.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ab.add_argument("--json", type=Path, help="write everything as JSON here")
@@ -190,6 +273,14 @@ def _ab_rank(rank: int, world: int, init: str, args: argparse.Namespace, out: st
 
     from te_paged.runtime.ab import gather, run_ab
 
+    if args.engine == "megatron":
+        from te_paged.tools.megatron_ab import quiet_megatron
+
+        quiet_megatron()
+        if args.device == "cpu":
+            from te_paged.integrations.megatron import cpu_shims
+
+            cpu_shims.install()  # CPU only: stand-ins for megatron-core's CUDA-only calls
     if args.device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     backend = "nccl" if args.device == "cuda" else "gloo"
@@ -206,13 +297,18 @@ def _ab_rank(rank: int, world: int, init: str, args: argparse.Namespace, out: st
     )
     try:
         cfg = _model_config(args)
-        mine = run_ab(
-            cfg,
-            dist.group.WORLD,
-            device,
-            _progress_fn(rank),
-            record_routing=args.record_profile is not None,
-        )
+        if args.engine == "megatron":
+            from te_paged.tools.megatron_ab import run_megatron_ab
+
+            mine = run_megatron_ab(cfg, device, _progress_fn(rank))
+        else:
+            mine = run_ab(
+                cfg,
+                dist.group.WORLD,
+                device,
+                _progress_fn(rank),
+                record_routing=args.record_profile is not None,
+            )
         result = gather(mine, cfg, dist.group.WORLD)
         if rank == 0:
             import pickle
@@ -230,11 +326,34 @@ def _spawn_target(rank: int, world: int, init: str, args: argparse.Namespace, ou
     _ab_rank(rank, world, init, args, out)
 
 
+def _megatron_missing() -> str | None:
+    """Why the megatron engine cannot run here (with the install line), or None."""
+    from te_paged.integrations.megatron import cpu_shims
+    from te_paged.tools.megatron_ab import quiet_megatron
+
+    quiet_megatron()
+
+    try:
+        cpu_shims.megatron_version()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
 def cmd_ab(args: argparse.Namespace) -> int:
     import pickle
 
     from te_paged.runtime.ab import format_table
 
+    problem = _check_engine_args(args)
+    if problem is None and args.engine == "megatron":
+        if args.record_profile:
+            problem = "--record-profile is not available with --engine megatron"
+        else:
+            problem = _megatron_missing()
+    if problem is not None:
+        print(f"te-paged ab: {problem}", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.pkl")
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
@@ -262,9 +381,10 @@ def cmd_ab(args: argparse.Namespace) -> int:
         print(file=sys.stderr)
     print(format_table(result))
     if args.json:
-        args.json.write_text(
-            json.dumps(dataclasses.asdict(result) | {"memory": result.memory()}, indent=1)
-        )
+        extra = {"memory": result.memory()}
+        if args.engine == "megatron":
+            extra["engine"] = "megatron"
+        args.json.write_text(json.dumps(dataclasses.asdict(result) | extra, indent=1))
     if args.plot:
         from te_paged.runtime.plot import plot_ab
 

@@ -12,7 +12,11 @@ What is compared with what, against Megatron's ``SequentialMLP`` with the same w
 * te_paged's experts: output, input gradient, router weight gradient and every expert weight
   gradient **bitwise** equal (te_paged's SwiGLU backward rounds the gate derivative in
   Megatron's order, ``((dy·p)·σ)·(1 + g·(1 − σ))·up``).
-* paged stash on vs off: **bitwise**, every tensor (the stash only moves bytes).
+* te_paged's experts behind te_paged's static-budget dispatcher (``PagedStashMoELayer``, which
+  the spec builder picks for a capacity factor): **bitwise** too — the same rows in the same
+  order per expert, and top-2 sums of two values are order-free;
+* paged stash on vs off (both static-budget): **bitwise**, every tensor (the stash only moves
+  bytes).
 * a copy of te_paged's layer with one FC2 weight element moved by 1e-2 must fail the same
   check, or the check could not fail.
 """
@@ -27,7 +31,8 @@ from pathlib import Path
 import pytest
 
 from functional_tests.launch import torchrun
-from functional_tests.megatron import stubs, worker
+from functional_tests.megatron import worker
+from te_paged.integrations.megatron import cpu_shims as stubs
 
 WORLD_SIZE = 4
 LAUNCH_TIMEOUT_S = 240
@@ -113,6 +118,16 @@ def test_perturbed_expert_weight_fails_the_comparison(ranks, case) -> None:
 def test_megatron_grouped_mlp_with_te_paged_linears_is_bitwise(ranks, case) -> None:
     for rank, step, record in _steps(ranks, case):
         failures = bitwise_failures(record["grouped_linears_vs_sequential"])
+        assert not failures, f"rank {rank} step {step}: {failures}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_static_budget_dispatcher_matches_megatron_sequential_mlp(ranks, case) -> None:
+    for rank, step, record in _steps(ranks, case):
+        # A capacity factor makes the spec builder pick te_paged's dispatcher, else Megatron's.
+        assert record["static_layers"] == ["MoELayer", "PagedStashMoELayer"], record
+        assert record["dropped_tokens"] == [0, 0], record  # a 4x budget drops nothing
+        failures = bitwise_failures(record["static_vs_sequential"])
         assert not failures, f"rank {rank} step {step}: {failures}"
 
 

@@ -7,6 +7,8 @@ each), both dropless dispatchers and ``moe_act`` recompute off/on, it builds Meg
 
 * ``sequential`` — the reference: Megatron's ``SequentialMLP`` experts;
 * ``te_paged`` — te_paged's experts (:func:`get_te_paged_moe_spec`), paged stash off;
+* ``te_paged_static`` — te_paged's experts behind te_paged's static-budget dispatcher
+  (:class:`PagedStashMoELayer`, selected by the capacity factor), paged stash off;
 * ``te_paged_stash`` — the same with paged stash on (step 0 captures, step 1 pages);
 * ``grouped_linears`` — Megatron's own ``TEGroupedMLP`` over te_paged's ``GroupedLinear``;
 * ``perturbed`` — ``te_paged`` with one expert weight element changed by 1e-2.
@@ -29,18 +31,19 @@ from pathlib import Path
 
 import torch
 
-from functional_tests.megatron import stubs
+from te_paged.integrations.megatron import cpu_shims as stubs
 
 SEQ, BATCH, HIDDEN, FFN, EXPERTS, TOPK = 8, 2, 16, 32, 8, 2
 STEPS = 2
 EPS = (1, 4)
 DISPATCHERS = ("alltoall", "allgather")
-# te_paged-only fields (megatron-core 0.16.1 has none of them). Dynamic dispatcher: the input
-# has no padding, so the budget is the input itself (capacity factor 1); routing changes the
-# row count from step to step, so the pool gets 4x the captured balanced pages.
+# te_paged-only fields (megatron-core 0.16.1 has none of them). The capacity factor selects
+# te_paged's static-budget dispatcher; 4.0 leaves room for any routing of these few tokens, so
+# nothing is dropped (no runner here to rerun), and the pool gets 4x the balanced pages.
+STATIC_OVERRIDES = {"moe_expert_rank_capacity_factor": 4.0}
 STASH_OVERRIDES = {
+    **STATIC_OVERRIDES,
     "moe_paged_stash": True,
-    "moe_expert_rank_capacity_factor": 1.0,
     "moe_paged_stash_page_size": 8,
     "moe_paged_stash_buffer_size_factor_cuda": 4.0,
 }
@@ -96,6 +99,9 @@ def build_layers(config) -> dict[str, torch.nn.Module]:
     layers = {
         "sequential": build_module(reference_spec, config=config),
         "te_paged": build_module(tpm.get_te_paged_moe_spec(config), config=config),
+        "te_paged_static": build_module(
+            tpm.get_te_paged_moe_spec(config, **STATIC_OVERRIDES), config=config
+        ),
         "te_paged_stash": build_module(
             tpm.get_te_paged_moe_spec(config, **STASH_OVERRIDES), config=config
         ),
@@ -178,7 +184,15 @@ def run_case(ep: int, dispatcher: str, recompute: bool, rank: int) -> dict:
                     outs["grouped_linears"], outs["sequential"]
                 ),
                 "perturbed_vs_sequential": compare(outs["perturbed"], outs["sequential"]),
-                "stash_on_vs_off": compare(outs["te_paged_stash"], outs["te_paged"]),
+                "static_vs_sequential": compare(outs["te_paged_static"], outs["sequential"]),
+                "stash_on_vs_off": compare(outs["te_paged_stash"], outs["te_paged_static"]),
+                "static_layers": [
+                    type(layers[n]).__name__ for n in ("te_paged", "te_paged_static")
+                ],
+                "dropped_tokens": [
+                    int(layers[n].token_dispatcher.budget.dropped_tokens)
+                    for n in ("te_paged_static", "te_paged_stash")
+                ],
                 "stash": {
                     "mode": stats.mode.name,
                     "stashes": stats.stashes,

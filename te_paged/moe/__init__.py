@@ -4,6 +4,7 @@ from te_paged.moe.config_adapter import as_moe_config
 from te_paged.moe.dispatcher import DispatchHandle, StaticBudgetDispatcher, static_budget
 from te_paged.moe.experts import TEGroupedMLP
 from te_paged.moe.layer import MoELayer, init_expert_weights_
+from te_paged.moe.participant import PagedStashParticipant, Participants, find_participants
 from te_paged.moe.recompute import CheckpointWithoutOutput
 from te_paged.moe.router import RouterOutput, RoutingSkew, TopKRouter
 
@@ -11,12 +12,15 @@ __all__ = [
     "CheckpointWithoutOutput",
     "DispatchHandle",
     "MoELayer",
+    "PagedStashParticipant",
+    "Participants",
     "RouterOutput",
     "RoutingSkew",
     "StaticBudgetDispatcher",
     "TEGroupedMLP",
     "TopKRouter",
     "as_moe_config",
+    "find_participants",
     "init_expert_weights_",
     "static_budget",
 ]

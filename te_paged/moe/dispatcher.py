@@ -39,8 +39,10 @@ no atomics. Every step is differentiable; the all-to-all's backward is the rever
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -62,13 +64,24 @@ class _FromConfig:
 FROM_CONFIG = _FromConfig()
 
 
-def static_budget(config: MoEConfig, num_tokens: int, ep_size: int) -> tuple[int, int]:
+#: ``rank_budget(num_tokens, capacity_factor) -> rows``: a rank's static budget before it is
+#: split into pair budgets (default: :meth:`MoEConfig.max_num_tokens`).
+RankBudget = Callable[[int, float], int]
+
+
+def static_budget(
+    config: MoEConfig, num_tokens: int, ep_size: int, rank_budget: RankBudget | None = None
+) -> tuple[int, int]:
     """``(max_num_tokens, pair_capacity)`` of one rank with ``num_tokens`` local tokens.
 
     Example: 100 tokens, top-2, factor 1.1, 4 ranks: 220 rows → 220 (a multiple of 4), pair
-    capacity 55; with MXFP8, 220 → 224 (lcm(4, 32) = 32), pair capacity 56.
+    capacity 55; with MXFP8, 220 → 224 (lcm(4, 32) = 32), pair capacity 56. ``rank_budget``
+    replaces the first step (e.g. Megatron HybridEP's rule, see the Megatron integration).
     """
-    rows = config.max_num_tokens(num_tokens)
+    if rank_budget is None:
+        rows = config.max_num_tokens(num_tokens)
+    else:
+        rows = rank_budget(num_tokens, config.moe_expert_rank_capacity_factor)
     align = ep_size
     if config.fp8 == Fp8Recipe.MXFP8.value:
         align = math.lcm(ep_size, MXFP8_BLOCK_SIZE)
@@ -152,9 +165,11 @@ class StaticBudgetDispatcher(nn.Module):
         *,
         capacity_factor: float | _FromConfig | None = FROM_CONFIG,
         device: torch.device | str | None = None,
+        rank_budget: RankBudget | None = None,
     ) -> None:
         super().__init__()
         cfg = as_moe_config(config)
+        self.rank_budget = rank_budget
         self.config, self.group = cfg, ep_group
         if capacity_factor is FROM_CONFIG:
             capacity_factor = cfg.moe_expert_rank_capacity_factor
@@ -180,6 +195,7 @@ class StaticBudgetDispatcher(nn.Module):
             )
         self.num_local_experts = experts // self.ep_size
         self._dropless = False
+        self._dropless_depth = 0  # open dropless_block()s
         self.budget_tokens = 0
         self.pair_capacity = 0
         self.last_num_tokens = 0
@@ -198,12 +214,22 @@ class StaticBudgetDispatcher(nn.Module):
     @property
     def dropless(self) -> bool:
         """True when the exchange is sized from the routing (also without a capacity factor)."""
-        return self._dropless or self.capacity_factor is None
+        return self._dropless or self._dropless_depth > 0 or self.capacity_factor is None
 
     def set_dropless(self, dropless: bool) -> None:
-        """Switch to the dropless reference (the runner's rerun) and back. Without a capacity
-        factor the dispatcher stays dropless whatever this says."""
+        """Switch to the dropless reference and back (the caller's own setting). Without a
+        capacity factor the dispatcher stays dropless whatever this says."""
         self._dropless = bool(dropless)
+
+    @contextlib.contextmanager
+    def dropless_block(self) -> Iterator[None]:
+        """Dropless inside this block (the runner's rerun), whatever :meth:`set_dropless` said;
+        blocks are counted, so they nest, and the caller's own setting comes back after."""
+        self._dropless_depth += 1
+        try:
+            yield
+        finally:
+            self._dropless_depth -= 1
 
     def reset_flags(self) -> None:
         """Zero the device counters in place (allocation-free, sync-free)."""
@@ -219,7 +245,8 @@ class StaticBudgetDispatcher(nn.Module):
         factor = max(0.01, math.ceil(100 * peak_pair_tokens * self.ep_size / balanced) / 100)
         while True:  # the estimate ignores rounding; step up until the real budget fits
             cfg = dataclasses.replace(self.config, moe_expert_rank_capacity_factor=factor)
-            if static_budget(cfg, num_tokens, self.ep_size)[1] >= peak_pair_tokens:
+            pair = static_budget(cfg, num_tokens, self.ep_size, self.rank_budget)[1]
+            if pair >= peak_pair_tokens:
                 return factor
             factor = round(factor + 0.01, 2)
 
@@ -281,7 +308,7 @@ class StaticBudgetDispatcher(nn.Module):
         if dropless:
             cap = self._dropless_capacity(demand_P)
         else:
-            self.budget_tokens, cap = static_budget(self._budget_config, n, p)
+            self.budget_tokens, cap = static_budget(self._budget_config, n, p, self.rank_budget)
             self.pair_capacity = cap
         self.last_num_tokens = n
         rows = p * cap

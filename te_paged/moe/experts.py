@@ -40,6 +40,7 @@ from te_paged.grouped.grouped_tensor import (
 )
 from te_paged.markers import mark_grouped_tensor
 from te_paged.moe.config_adapter import as_moe_config
+from te_paged.moe.participant import PagedStashParticipant
 from te_paged.moe.recompute import CheckpointWithoutOutput
 from te_paged.stash import PagedStashManager
 
@@ -64,7 +65,7 @@ def activation_function(cfg: MoEConfig, num_rows: torch.Tensor) -> Callable:
     return lambda h, p: plain(h) * p.reshape(-1, 1).to(h.dtype)
 
 
-class TEGroupedMLP(nn.Module):
+class TEGroupedMLP(nn.Module, PagedStashParticipant):
     """Grouped expert MLP with paged stashing of its saved activations.
 
     ``TEGroupedMLP(num_local_experts, config, submodules=None, pg_collection=None, name=None,
@@ -138,6 +139,10 @@ class TEGroupedMLP(nn.Module):
                 "use_transformer_engine_op_fuser=True runs the device-initiated grouped GEMMs: "
                 "set moe_use_grouped_tensor=True"
             )
+
+    def paged_stash_managers(self) -> tuple[PagedStashManager, ...]:
+        """The runner protocol (:class:`~te_paged.moe.participant.PagedStashParticipant`)."""
+        return () if self.manager is None else (self.manager,)
 
     def backward_dw(self) -> None:
         """Megatron's delayed weight-gradient hook. te_paged computes weight gradients in the

@@ -16,6 +16,7 @@ the CPU, so an EP=1 layer and the EP=4 layers built with the same seed hold the 
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -25,6 +26,7 @@ from torch import nn
 from te_paged.moe.config_adapter import as_moe_config
 from te_paged.moe.dispatcher import FROM_CONFIG, StaticBudgetDispatcher
 from te_paged.moe.experts import TEGroupedMLP
+from te_paged.moe.participant import PagedStashParticipant
 from te_paged.moe.router import ScoreFunction, TopKRouter
 from te_paged.stash import PagedStashManager
 from te_paged.telemetry import nvtx_range
@@ -64,7 +66,7 @@ def init_expert_weights_(layer: MoELayer, seed: int) -> MoELayer:
     return layer
 
 
-class MoELayer(nn.Module):
+class MoELayer(nn.Module, PagedStashParticipant):
     """An expert-parallel MoE layer, usable inside any ``nn.Module``.
 
     ``MoELayer(config, ep_group=None, manager=None, *, device=None, seed=None,
@@ -107,7 +109,6 @@ class MoELayer(nn.Module):
         self.experts = TEGroupedMLP(
             self.dispatcher.num_local_experts, cfg, manager=manager, device=device
         )
-        self._stash_disabled_here = False
         if seed is not None:
             init_expert_weights_(self, seed)
 
@@ -120,23 +121,17 @@ class MoELayer(nn.Module):
         return self.dispatcher.dropless
 
     def set_dropless(self, dropless: bool) -> None:
-        """The runner's fallback: ``True`` switches the dispatcher to dropless and turns paged
-        stashing off on the manager; ``False`` restores both.
+        """The runner's fallback: ``True`` switches the dispatcher to dropless, ``False`` back.
 
-        Several layers may share one manager: only a layer that actually turned it off turns
-        it back on, so restoring the layers in any order leaves it as it was. Whatever the
-        manager's state, a dropless forward never opens a stash scope (its rows are dynamic).
+        Stashing is the manager's business (:meth:`PagedStashManager.disabled`): a dropless
+        forward never stashes whatever the manager's state, since its rows are dynamic.
         """
         self.dispatcher.set_dropless(dropless)
-        manager = self.manager
-        if manager is None:
-            return
-        if dropless and manager.enabled:
-            manager.enabled = False
-            self._stash_disabled_here = True
-        elif not dropless and self._stash_disabled_here:
-            manager.enabled = True
-            self._stash_disabled_here = False
+
+    def budget_dispatchers(self) -> tuple[StaticBudgetDispatcher, ...]:
+        """The runner protocol (:class:`~te_paged.moe.participant.PagedStashParticipant`); the
+        experts report the manager themselves."""
+        return (self.dispatcher,)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = self.config.hidden_size
@@ -150,15 +145,9 @@ class MoELayer(nn.Module):
             )
         manager = self.manager
         with nvtx_range("te_paged.experts"):
-            if handle.dropless and manager is not None and manager.enabled:
-                # Dynamic-shaped rows have no static budget to page against: run unstashed.
-                # Only scope opening reads `enabled`, so restoring it right after is safe.
-                manager.enabled = False
-                try:
-                    out_TH, _ = self.experts(permuted_TH, tokens_per_expert_L, probs_T)
-                finally:
-                    manager.enabled = True
-            else:
+            # Dynamic-shaped rows have no static budget to page against: run unstashed.
+            off = handle.dropless and manager is not None
+            with manager.disabled() if off else contextlib.nullcontext():
                 out_TH, _ = self.experts(permuted_TH, tokens_per_expert_L, probs_T)
         with nvtx_range("te_paged.combine"):
             y_NH = self.dispatcher.combine(out_TH, handle)

@@ -57,6 +57,9 @@ class RankResult:
     memory_method: str
     timeline: list[dict]
     routing: RoutingProfile | None = None  # the OFF run's, recorded by its runner
+    #: The step the memory table reports (pool and S are this step's); None: no step after
+    #: the capture step kept paged stash (each was rerun without it), so nothing to report.
+    memory_step: int | None = -1
 
 
 @dataclasses.dataclass
@@ -73,10 +76,13 @@ class ABResult:
             for r in self.ranks
         )
 
-    def memory(self) -> dict[str, float]:
-        """Max over ranks of the last (captured) step's peak, and the capacity model."""
-        on = max(r.on[-1].peak_bytes + r.pool_bytes for r in self.ranks)
-        off = max(r.off[-1].peak_bytes for r in self.ranks)
+    def memory(self) -> dict[str, float] | None:
+        """Max over ranks of the reported step's peak (by default the last, a captured one),
+        and the capacity model; None when no step kept paged stash."""
+        if any(r.memory_step is None for r in self.ranks):
+            return None
+        on = max(r.on[r.memory_step].peak_bytes + r.pool_bytes for r in self.ranks)
+        off = max(r.off[r.memory_step].peak_bytes for r in self.ranks)
         s = max(r.s_bytes for r in self.ranks)
         cfg = self.config
         cf, bf = cfg["capacity_factor"], cfg["buffer_factor_cuda"]
@@ -231,20 +237,37 @@ def format_table(result: ABResult) -> str:
         )
     m = result.memory()
     cfg = result.config
+    if m is None:
+        rows += [
+            "",
+            "Memory: every step after the capture step was rerun without paged stash, so no "
+            "step shows its saving (raise the factors the runner suggests, or run more steps).",
+            "",
+        ]
+    else:
+        step = r0.memory_step if r0.memory_step >= 0 else len(r0.on) + r0.memory_step
+        which = (
+            "last step" if step == len(r0.on) - 1 else f"step {step}, the last that kept the stash"
+        )
+        rows += [
+            "",
+            f"Memory, {which}, max over {result.world_size} rank(s) ({r0.memory_method}):",
+            "",
+            "| peak ON (incl. pool) | peak OFF | pool | saving | predicted (cf − bf) × S "
+            "| measured / predicted | less one layer's reload (cf − bf − cf/L) × S "
+            "| measured / that |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            f"| {_mib(m['peak_on_bytes'])} | {_mib(m['peak_off_bytes'])} "
+            f"| {_mib(m['pool_bytes'])} | {_mib(m['saving_bytes'])} "
+            f"| {_mib(m['predicted_saving_bytes'])} "
+            f"(cf {cfg['capacity_factor']}, bf {cfg['buffer_factor_cuda']}, "
+            f"S {_mib(m['S_bytes'])}) "
+            f"| {100 * m['measured_over_predicted']:.1f} % "
+            f"| {_mib(m['reload_adjusted_saving_bytes'])} (L {cfg['layers']}) "
+            f"| {100 * m['measured_over_reload_adjusted']:.1f} % |",
+            "",
+        ]
     rows += [
-        "",
-        f"Memory, last step, max over {result.world_size} rank(s) ({r0.memory_method}):",
-        "",
-        "| peak ON (incl. pool) | peak OFF | pool | saving | predicted (cf − bf) × S "
-        "| measured / predicted | less one layer's reload (cf − bf − cf/L) × S | measured / that |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-        f"| {_mib(m['peak_on_bytes'])} | {_mib(m['peak_off_bytes'])} | {_mib(m['pool_bytes'])} "
-        f"| {_mib(m['saving_bytes'])} | {_mib(m['predicted_saving_bytes'])} "
-        f"(cf {cfg['capacity_factor']}, bf {cfg['buffer_factor_cuda']}, S {_mib(m['S_bytes'])}) "
-        f"| {100 * m['measured_over_predicted']:.1f} % "
-        f"| {_mib(m['reload_adjusted_saving_bytes'])} (L {cfg['layers']}) "
-        f"| {100 * m['measured_over_reload_adjusted']:.1f} % |",
-        "",
         f"stashes/pops (rank 0, last step): {r0.stashes}/{r0.pops}; "
         f"ON and OFF {'bitwise equal' if result.equal else 'DIFFER'}.",
     ]

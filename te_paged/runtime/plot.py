@@ -32,8 +32,9 @@ def plot_ab(result, path: str | Path) -> None:
         occ.legend(fontsize="small")
     ranks = [r.rank for r in result.ranks]
     mib = 2**20
-    on = [(r.on[-1].peak_bytes + r.pool_bytes) / mib for r in result.ranks]
-    off = [r.off[-1].peak_bytes / mib for r in result.ranks]
+    step = [-1 if r.memory_step is None else r.memory_step for r in result.ranks]
+    on = [(r.on[i].peak_bytes + r.pool_bytes) / mib for r, i in zip(result.ranks, step)]
+    off = [r.off[i].peak_bytes / mib for r, i in zip(result.ranks, step)]
     width = 0.4
     mem.bar([x - width / 2 for x in ranks], off, width, label="paged stash OFF")
     mem.bar([x + width / 2 for x in ranks], on, width, label="paged stash ON (incl. pool)")

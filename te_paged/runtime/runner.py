@@ -4,13 +4,24 @@ A step runs with fixed per-rank token budgets (the dispatcher drops assignments 
 counts them on the device) and paged stashing (copies that find no free page count an
 overflow). Neither may change the result silently, so after the step one collective gathers
 every rank's flags and statistics; if any rank overflowed its stash or went over its token
-budget, every rank zeroes its gradients, frees the stash pool, and reruns the same step once,
-dropless and without stashing, so the step's gradients equal those of a run that never
-overflowed. Settings are restored afterwards (the pool is reallocated at the next step).
+budget, every rank reruns the same step once, dropless and without stashing, so the step's
+result equals that of a run that never overflowed. Per step the runner:
 
-The collective is one ``all_reduce(SUM)`` over a small vector: three 0/1 flags (summed into
-counts of ranks) followed by one slot per rank for that rank's statistics (zero elsewhere, so
-the sum *is* the gather). That is the only device→host read of a step without fallback.
+1. resets every stash manager of the model (users never call ``reset()``) and zeroes the
+   dispatchers' counters; managers and dispatchers are found through the explicit
+   :class:`~te_paged.moe.participant.PagedStashParticipant` protocol;
+2. snapshots what the step consumes (:meth:`PagedStashRunner.snapshot_state`: torch's CPU and
+   CUDA generators; a framework runner adds its own, e.g. Megatron's RNG tracker);
+3. runs the step, then one ``all_reduce(SUM)`` over a small vector: three 0/1 flags
+   [stash overflow, over budget, host spill] (summed into counts of ranks) followed by one slot
+   per rank with its step index and statistics (zero elsewhere, so the sum *is* the gather).
+   That is the only device→host read of a step without fallback. Ranks whose step indices
+   differ skipped or repeated a step: :class:`StepDesyncError`, naming them;
+4. on overflow or over budget: restores the snapshot, zeroes what the attempt accumulated
+   (:meth:`PagedStashRunner.clear_gradients`, then the ``before_rerun`` hook for a framework's
+   own buffers), frees the pools and reruns inside ``manager.disabled()`` and the
+   dispatchers' ``dropless_block()`` — the one switch each owns; nothing else writes their
+   settings. The pool is reallocated at the next step.
 
 With ``record_routing=True`` the runner also records, for ``te-paged plan``, every MoE layer's
 tokens per expert on every rank of the expert-parallel group (one ``all_gather`` and one host
@@ -26,6 +37,7 @@ a row the next one raises :class:`FallbackLimitError` with the factors that woul
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -38,11 +50,13 @@ import torch.distributed as dist
 from torch import nn
 
 from te_paged.kernels.layout import Flag
+from te_paged.moe import MoELayer, StaticBudgetDispatcher
+from te_paged.moe.participant import Participants, find_participants
 from te_paged.runtime.memory import measure_peak
 from te_paged.runtime.planner import RoutingProfile
 from te_paged.stash import PagedStashManager
 
-__all__ = ["FallbackLimitError", "PagedStashRunner", "StepRecord"]
+__all__ = ["FallbackLimitError", "PagedStashRunner", "StepDesyncError", "StepRecord", "StepState"]
 
 _MARGIN = 1.05  # headroom on suggested factors, so a repeat of the same peak fits
 
@@ -76,16 +90,37 @@ class StepRecord:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
 
-def _moe_layers(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if hasattr(m, "set_dropless") and hasattr(m, "dispatcher")]
+class StepDesyncError(RuntimeError):
+    """The ranks reduced flags of different steps: one of them skipped or repeated a step."""
+
+
+@dataclasses.dataclass
+class StepState:
+    """What a step consumes that a rerun must give back: every random generator it draws from
+    (torch's CPU generator, each CUDA device's) and whatever a subclass adds in ``extra``."""
+
+    cpu_rng: torch.Tensor
+    cuda_rng: list[torch.Tensor] | None
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class PagedStashRunner:
-    """Wraps one training step's forward-backward; see the module docstring."""
+    """Wraps one training step's forward-backward; see the module docstring.
+
+    ``PagedStashRunner(model, manager=None, *, group=None, max_consecutive_fallbacks=3,
+    grow_pool=False, measure_fallback_memory=True, record_routing=False, before_rerun=None)``.
+    ``model`` (a module or a list of model chunks) is searched for
+    :class:`~te_paged.moe.participant.PagedStashParticipant` modules: their stash managers and
+    static-budget dispatchers are what the runner resets, reads and switches; ``manager`` adds
+    one the model does not report. ``group`` is the process group the flags are reduced over
+    (``None``: the whole world). ``before_rerun`` is called right before a rerun, after the
+    runner restored the random generators and zeroed ``param.grad`` (e.g. to zero a
+    framework's own gradient buffers, or to tell a memory tracker the modules run again).
+    """
 
     def __init__(
         self,
-        model: nn.Module,
+        model: nn.Module | list[nn.Module],
         manager: PagedStashManager | None = None,
         *,
         group: dist.ProcessGroup | None = None,
@@ -93,39 +128,61 @@ class PagedStashRunner:
         grow_pool: bool = False,
         measure_fallback_memory: bool = True,
         record_routing: bool = False,
+        before_rerun: Callable[[], None] | None = None,
     ) -> None:
         if max_consecutive_fallbacks < 1:
             raise ValueError(
                 f"max_consecutive_fallbacks must be >= 1, got {max_consecutive_fallbacks}"
             )
         self.model = model
-        self.manager = manager
+        self.chunks = [model] if isinstance(model, nn.Module) else list(model)
+        found = find_participants(self.chunks)
+        extra = [] if manager is None else [manager]
+        self.participants = Participants([*extra, *found.managers], found.dispatchers)
+        if not self.participants:
+            raise ValueError(
+                "model has no paged-stash participant (no TEGroupedMLP, MoELayer or other "
+                "PagedStashParticipant module) and no manager was given"
+            )
         self.group = group
-        self.layers = _moe_layers(model)
-        if not self.layers and manager is None:
-            raise ValueError("model has no MoE layer (no module with a dispatcher) and no manager")
         self.max_consecutive_fallbacks = max_consecutive_fallbacks
         self.grow_pool = grow_pool
         self.measure_fallback_memory = measure_fallback_memory
         self.consecutive_fallbacks = 0
-        #: Called right before a rerun (e.g. to tell a memory tracker the modules run again).
-        self.before_rerun: Callable[[], None] | None = None
+        self.before_rerun = before_rerun
         self.step_index = 0
         self.records: list[StepRecord] = []
         self.record_routing = record_routing
+        self.layers = [m for c in self.chunks for m in c.modules() if isinstance(m, MoELayer)]
         self._route_calls: list[tuple[int, torch.Tensor]] = []  # (layer, tokens_per_expert_E)
         self._routing: list[torch.Tensor] = []  # per step, CPU int64 [pass, layer, source, expert]
         self._routed_tokens = 0
         if record_routing:
             if not self.layers:
-                raise ValueError("record_routing: the model has no MoE layer")
+                raise ValueError(
+                    "record_routing needs te_paged MoE layers (their router reports "
+                    "tokens_per_expert); the model has none"
+                )
             for i, layer in enumerate(self.layers):
-                if not isinstance(getattr(layer, "router", None), nn.Module):
-                    raise ValueError(
-                        f"record_routing needs te_paged MoE layers (a .router returning "
-                        f"tokens_per_expert); {type(layer).__name__} has none"
-                    )
                 layer.router.register_forward_hook(functools.partial(self._on_route, i))
+
+    @property
+    def managers(self) -> list[PagedStashManager]:
+        return self.participants.managers
+
+    @property
+    def dispatchers(self) -> list[StaticBudgetDispatcher]:
+        return self.participants.dispatchers
+
+    @property
+    def manager(self) -> PagedStashManager | None:
+        """The first stash manager (most models have one, shared by every layer)."""
+        return self.managers[0] if self.managers else None
+
+    def _device(self) -> torch.device:
+        if self.managers:
+            return self.managers[0].device
+        return self.dispatchers[0].over_budget.device
 
     # ---------------------------------------------------------------------------- collective
 
@@ -135,29 +192,31 @@ class PagedStashRunner:
         return dist.get_rank(self.group), dist.get_world_size(self.group)
 
     def _local_stats(self, device: torch.device) -> tuple[torch.Tensor, list[str]]:
-        """Device vector: [overflow, overbudget, spill, peak_tokens, pages hwm per key...]."""
+        """Device vector: [overflow, overbudget, spill, step, peak_tokens, peak_pair, hwm per
+        key...]."""
         zero = torch.zeros((), dtype=torch.int64, device=device)
         overflow = spill = zero
-        keys: list[str] = []
-        hwm: list[torch.Tensor] = []
-        if self.manager is not None:
-            overflow = (self.manager.flags[Flag.OVERFLOW] > 0).long()
-            spill = (self.manager.flags[Flag.HOST_SPILL] > 0).long()
-            for key, buf in self.manager.buffers.items():
-                keys.append(str(key))
-                hwm.append(buf.state[2].to(device))  # State.HWM
+        hwm: dict[str, torch.Tensor] = {}
+        for manager in self.managers:
+            overflow = overflow + (manager.flags[Flag.OVERFLOW] > 0).long()
+            spill = spill + (manager.flags[Flag.HOST_SPILL] > 0).long()
+            for key, buf in manager.buffers.items():
+                h = buf.state[2].to(device)  # State.HWM
+                hwm[str(key)] = torch.maximum(hwm[str(key)], h) if str(key) in hwm else h
         over = peak = peak_pair = zero
-        for layer in self.layers:
-            d = layer.dispatcher
+        for d in self.dispatchers:
             over = over + (d.over_budget > 0).long().to(device)
             peak = torch.maximum(peak, d.peak_tokens.to(device).long())
             peak_pair = torch.maximum(peak_pair, d.peak_pair_tokens.to(device).long())
-        flags = torch.stack([overflow, (over > 0).long(), spill])
-        stats = [peak.reshape(1), peak_pair.reshape(1), *(h.reshape(1) for h in hwm)]
-        return torch.cat([flags, *stats]), keys
+        flags = torch.stack([(overflow > 0).long(), (over > 0).long(), (spill > 0).long()])
+        step = torch.full((1,), self.step_index, dtype=torch.int64, device=device)
+        stats = [step, peak.reshape(1), peak_pair.reshape(1), *(h.reshape(1) for h in hwm.values())]
+        return torch.cat([flags, *stats]), list(hwm)
 
     def _reduce(self) -> tuple[list[int], list[list[int]], list[str]]:
-        device = self.manager.device if self.manager is not None else torch.device("cpu")
+        """One ``all_reduce(SUM)``: three flags summed into rank counts, then one slot per rank
+        (zero elsewhere, so the sum is a gather) with its step index and statistics."""
+        device = self._device()
         local, keys = self._local_stats(device)
         rank, world = self._world()
         stats_len = local.numel() - 3
@@ -170,33 +229,75 @@ class PagedStashRunner:
             dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=self.group)
         values = vec.tolist()  # the step's one device -> host read
         per_rank = [values[3 + r * stats_len : 3 + (r + 1) * stats_len] for r in range(world)]
-        return values[:3], per_rank, keys
+        self._check_step_indices([r[0] for r in per_rank], rank)
+        return values[:3], [r[1:] for r in per_rank], keys
+
+    def _check_step_indices(self, steps: list[int], rank: int) -> None:
+        if len(set(steps)) <= 1:
+            return
+        by_step: dict[int, list[int]] = {}
+        for r, s in enumerate(steps):
+            by_step.setdefault(s, []).append(r)
+        where = "; ".join(f"rank(s) {ranks} at step {s}" for s, ranks in sorted(by_step.items()))
+        raise StepDesyncError(
+            f"rank {rank}: the ranks reduced the flags of different steps ({where}): a rank "
+            "skipped or repeated a step, so its collectives were paired with another step's. "
+            "Every rank must call the runner once per step."
+        )
+
+    # ------------------------------------------------------------------------ state and grads
+
+    def snapshot_state(self) -> StepState:
+        """What a rerun restores (see :class:`StepState`); taken before the first attempt."""
+        cuda = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            cuda = torch.cuda.get_rng_state_all()
+        return StepState(torch.get_rng_state(), cuda)
+
+    def restore_state(self, state: StepState) -> None:
+        """Put back what :meth:`snapshot_state` took, so the rerun draws the same numbers
+        (dropout masks, any sampling) as the first attempt did."""
+        torch.set_rng_state(state.cpu_rng)
+        if state.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(state.cuda_rng)
+
+    def clear_gradients(self) -> None:
+        """Zero what the failed attempt accumulated: ``param.grad``, in place (the rerun then
+        allocates no gradients)."""
+        for chunk in self.chunks:
+            chunk.zero_grad(set_to_none=False)
 
     # ---------------------------------------------------------------------------------- step
 
-    def _set_fallback(self, on: bool) -> None:
-        for layer in self.layers:
-            layer.set_dropless(on)
-        if self.manager is not None:
-            self.manager.enabled = not on
-
-    def _reset_flags(self) -> None:
-        for layer in self.layers:
-            layer.dispatcher.reset_flags()
+    def _begin_step(self) -> None:
+        for manager in self.managers:
+            manager.reset()
+        for d in self.dispatchers:
+            d.reset_flags()
+        self._route_calls.clear()
 
     def _budget(self) -> tuple[int, int]:
-        if not self.layers:
+        if not self.dispatchers:
             return 0, 0
-        d = self.layers[0].dispatcher
+        d = self.dispatchers[0]
         return int(d.budget_tokens), int(d.last_num_tokens * d.config.moe_router_topk)
 
-    def step(self, step_fn: Callable[[], Any]) -> tuple[Any, StepRecord]:
+    def step(
+        self, step_fn: Callable[[], Any], *, step: int | None = None
+    ) -> tuple[Any, StepRecord]:
         """Run ``step_fn`` (forward + backward over the step's microbatches); rerun once,
-        dropless and without stashing, if any rank overflowed or went over budget."""
-        if self.manager is not None:
-            self.manager.reset()
-        self._reset_flags()
-        self._route_calls.clear()
+        dropless and without stashing, if any rank overflowed or went over budget.
+
+        ``step`` is the training loop's own iteration number (default: the count of calls so
+        far). Pass it to catch a rank that skipped a step: its collectives pair with the next
+        step's, so a call count would still agree, but its iteration number does not.
+        """
+        if step is not None:
+            if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+                raise ValueError(f"step must be a non-negative int, got {step!r}")
+            self.step_index = step
+        self._begin_step()
+        state = self.snapshot_state()
         result = step_fn()
         (overflow, overbudget, spill), per_rank, keys = self._reduce()
         budget, balanced = self._budget()
@@ -220,15 +321,23 @@ class PagedStashRunner:
         if record.will_retry:
             self._suggest(record, peak_pair)
             if self.consecutive_fallbacks >= self.max_consecutive_fallbacks:
+                fits = [
+                    f"{name} to >= {value}"
+                    for name, value in (
+                        ("moe_expert_rank_capacity_factor", record.suggested_capacity_factor),
+                        (
+                            "moe_paged_stash_buffer_size_factor_cuda",
+                            record.suggested_buffer_size_factor_cuda,
+                        ),
+                    )
+                    if value is not None
+                ]
                 raise FallbackLimitError(
                     f"{self.consecutive_fallbacks} consecutive steps needed the dropless "
                     f"fallback (stash overflow on {overflow} rank(s), over budget on "
-                    f"{overbudget}): raise moe_expert_rank_capacity_factor to >= "
-                    f"{record.suggested_capacity_factor} and "
-                    f"moe_paged_stash_buffer_size_factor_cuda to >= "
-                    f"{record.suggested_buffer_size_factor_cuda}"
+                    f"{overbudget}): raise {' and '.join(fits)}"
                 )
-            result = self._fallback(step_fn, record)
+            result = self._fallback(step_fn, state, record)
             self.consecutive_fallbacks += 1
         else:
             self.consecutive_fallbacks = 0
@@ -239,45 +348,45 @@ class PagedStashRunner:
         return result, record
 
     def _stash_enabled(self) -> bool:
-        return self.manager is not None and self.manager.enabled
+        return bool(self.managers) and all(m.enabled for m in self.managers)
 
     def _pool_pages(self) -> dict[str, int]:
-        if self.manager is None:
-            return {}
-        return {str(k): b.num_pages for k, b in self.manager.buffers.items()}
+        return {str(k): b.num_pages for m in self.managers for k, b in m.buffers.items()}
 
     def _suggest(self, record: StepRecord, peak_pair_tokens: int) -> None:
-        if record.overbudget_ranks and self.layers:
-            d = self.layers[0].dispatcher
+        if record.overbudget_ranks and self.dispatchers:
+            d = self.dispatchers[0]
             # The dispatcher's budget is per (source, destination) pair: size from that peak.
             fit = d.fitting_capacity_factor(
                 d.last_num_tokens, math.ceil(peak_pair_tokens * _MARGIN)
             )
             record.suggested_capacity_factor = fit
-        if self.manager is not None and record.stash_overflow_ranks:
+        if self.managers and record.stash_overflow_ranks:
             # The pool holds factor x (balanced pages of the live tensors); each tensor really
             # needs (its tokens / balanced) of that. Assuming every layer at the step's peak
             # bounds the factor that fits, whatever the current one was.
             ratio = record.peak_tokens / max(record.balanced_tokens, 1)
             record.suggested_buffer_size_factor_cuda = math.ceil(100 * ratio * _MARGIN) / 100
 
-    def _fallback(self, step_fn: Callable[[], Any], record: StepRecord) -> Any:
-        self.model.zero_grad(set_to_none=False)  # in place: the rerun allocates no gradients
-        if self.manager is not None:
-            self.manager.release()  # the pool and the dropless rerun never coexist
+    def _fallback(self, step_fn: Callable[[], Any], state: StepState, record: StepRecord) -> Any:
+        self.restore_state(state)
+        self.clear_gradients()
+        for manager in self.managers:
+            manager.release()  # the pool and the dropless rerun never coexist
             if self.grow_pool and record.suggested_buffer_size_factor_cuda is not None:
                 factor = max(
-                    record.suggested_buffer_size_factor_cuda, self.manager.buffer_size_factor_cuda
+                    record.suggested_buffer_size_factor_cuda, manager.buffer_size_factor_cuda
                 )
-                self.manager.buffer_size_factor_cuda = factor
-        self._set_fallback(True)
+                manager.buffer_size_factor_cuda = factor
         self._route_calls.clear()  # the rerun routes the same tokens again: count them once
-        if self.before_rerun is not None:
-            self.before_rerun()
-        try:
+        with contextlib.ExitStack() as fallback:
+            for manager in self.managers:
+                fallback.enter_context(manager.disabled())
+            for d in self.dispatchers:
+                fallback.enter_context(d.dropless_block())
+            if self.before_rerun is not None:
+                self.before_rerun()
             result, peak, method = self._measured(step_fn)
-        finally:
-            self._set_fallback(False)
         record.attempt = 2
         record.enabled = False
         record.fallback_peak_bytes, record.fallback_memory_method = peak, method
@@ -331,6 +440,5 @@ class PagedStashRunner:
     def _measured(self, step_fn: Callable[[], Any]) -> tuple[Any, int | None, str | None]:
         if not self.measure_fallback_memory:
             return step_fn(), None, None
-        device = self.manager.device if self.manager is not None else torch.device("cpu")
-        result, report = measure_peak(step_fn, device)
+        result, report = measure_peak(step_fn, self._device())
         return result, report.peak_bytes, report.method

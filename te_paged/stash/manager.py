@@ -25,10 +25,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import functools
 import math
+import warnings
+import weakref
 from collections.abc import Iterator
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from te_paged.kernels.layout import FLAGS_LEN, META_LEN, Flag, Meta, State, Tier
 from te_paged.kernels.ops import KernelBackend, resolve_backend, stash_copy, stash_pop
@@ -139,8 +143,7 @@ class PagedStashManager:
         self.device = torch.device(device)
         self.backend = resolve_backend(kernel_backend, self.device)
         self.zero_padding = zero_padding
-        #: When False, scopes install no hooks (the runner's dropless fallback).
-        self.enabled = True
+        self._disabled_depth = 0  # see disabled(): the one switch that turns stashing off
         self.mode = StashMode.CAPTURE
         self.flags = torch.zeros(FLAGS_LEN, dtype=torch.int64, device=self.device)
         self.buffers: dict[StashKey, PagedStashBuffer] = {}
@@ -153,6 +156,14 @@ class PagedStashManager:
         #: Each event reads the pool state on the host: telemetry for small runs, not for speed.
         self.timeline: list[TimelineEvent] | None = [] if record_timeline else None
         self._live_rows: dict[StashKey, int] = {}
+        # A step boundary without reset(): an optimizer stepped after this manager stashed, and
+        # reset() has not run since. The next stash warns (once): see _check_step_boundary.
+        self._stepped_since_reset = False
+        self._warned_no_reset = False
+        handle = register_optimizer_step_post_hook(
+            functools.partial(_note_optimizer_step, weakref.ref(self))
+        )
+        weakref.finalize(self, handle.remove)
 
     @classmethod
     def from_config(cls, config: object, device: torch.device | str = "cpu") -> PagedStashManager:
@@ -164,6 +175,28 @@ class PagedStashManager:
             device=device,
             kernel_backend=config.moe_paged_stash_kernel_backend,
         )
+
+    # ------------------------------------------------------------------------------ on / off
+
+    @property
+    def enabled(self) -> bool:
+        """False while any :meth:`disabled` block is open: scopes then install no hooks."""
+        return self._disabled_depth == 0
+
+    @contextlib.contextmanager
+    def disabled(self) -> Iterator[None]:
+        """Stash nothing inside this block (the runner's dropless rerun, a dropless forward).
+
+        The only way to turn stashing off. Blocks are counted, so owners compose in any
+        order: e.g. a runner's rerun and a layer's dropless forward both open one, and
+        stashing comes back only when the last one closes. A scope opened while disabled
+        stays a no-op for its whole block, even if the manager is re-enabled inside it.
+        """
+        self._disabled_depth += 1
+        try:
+            yield
+        finally:
+            self._disabled_depth -= 1
 
     # ----------------------------------------------------------------------------- lifecycle
 
@@ -180,6 +213,7 @@ class PagedStashManager:
             buffer.reset()
         self.flags.zero_()
         self._stashes = self._pops = self._capture_bytes = 0
+        self._stepped_since_reset = False
         self._live_rows.clear()
         if self.timeline is not None:
             self.timeline.clear()
@@ -220,12 +254,24 @@ class PagedStashManager:
         ``max_num_tokens`` is the static row count of the expert buffers, ``num_tokens`` a
         device tensor holding the actual count (a prefix), ``avg_num_tokens`` the balanced-case
         estimate used to size the pools.
+
+        Saved tensors that an outer ``saved_tensors_hooks`` already owns are left to it: inside
+        torch's non-reentrant checkpoint (its first forward and its recomputation) or
+        ``save_on_cpu``, the scope installs nothing. Otherwise the inner hooks would win, and a
+        checkpointed layer would be paged twice, its recomputed tensors never popped (pages
+        held to the step's end, the pool sized double). A reentrant checkpoint (Megatron's
+        full and ``moe`` recompute) runs its first forward without grad, saving nothing, and
+        its recomputation in backward with no outer hooks: that forward is paged and popped
+        layer by layer.
         """
         if not self.enabled:
             yield
             return
         if self._scope is not None:
             raise RuntimeError("paged-stash scopes do not nest: one scope per expert group")
+        if _saved_tensors_owned_outside():
+            yield
+            return
         if not isinstance(num_tokens, torch.Tensor) or num_tokens.numel() != 1:
             raise TypeError("num_tokens must be a one-element integer tensor on the device")
         if num_tokens.dtype.is_floating_point or num_tokens.dtype == torch.bool:
@@ -241,6 +287,26 @@ class PagedStashManager:
                 yield
         finally:
             self._scope = None
+
+    def _check_step_boundary(self) -> None:
+        if not self._stepped_since_reset or self._warned_no_reset:
+            return
+        self._warned_no_reset = True
+        state = (
+            "still in capture mode: it reads token counts on the host at every stash and keeps "
+            "exact-size copies instead of a pool"
+            if self.mode is StashMode.CAPTURE
+            else "keeping the last step's pages, flags and counters: an overflow flag stays "
+            "set, and every later stash of this manager is then a no-op"
+        )
+        warnings.warn(
+            "PagedStashManager: a new step is stashing, but reset() was not called after the "
+            f"last optimizer step; the manager is {state}. Call manager.reset() at every step "
+            "boundary, or drive the step with PagedStashRunner / MegatronPagedStashRunner, "
+            "which do it for you.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
     def _layout(self, t: torch.Tensor, kind: MarkerKind, scope: _Scope) -> tuple[StashKey, int]:
         per_row = kind.tokens_per_row
@@ -274,6 +340,7 @@ class PagedStashManager:
             )
         key, max_rows = self._layout(t, kind, scope)
         rows_RH = t.contiguous().view(max_rows, key.hidden).view(storage_dtype(t.dtype))
+        self._check_step_boundary()
         self._stashes += 1
         if self.mode is StashMode.CAPTURE:
             return self._capture_pack(t, key, kind, max_rows, rows_RH, scope)
@@ -416,3 +483,16 @@ class PagedStashManager:
                 str(k): p.peak_balanced_pages for k, p in self._peaks.items()
             },
         )
+
+
+def _note_optimizer_step(ref: weakref.ref, optimizer: object, args: object, kwargs: object) -> None:
+    """Global optimizer-step hook of one manager (weakly held): an optimizer step after the
+    manager stashed is a step boundary, after which reset() must come before the next stash."""
+    manager = ref()
+    if manager is not None and manager._stashes:
+        manager._stepped_since_reset = True
+
+
+def _saved_tensors_owned_outside() -> bool:
+    """Whether a ``saved_tensors_hooks`` context is already active (torch keeps one stack)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None

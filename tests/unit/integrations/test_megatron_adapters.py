@@ -298,7 +298,7 @@ def test_loading_ignores_transformer_engines_extra_state_of_the_expert_linears()
 
 
 def test_distributed_checkpoint_of_a_single_grouped_weight_is_refused() -> None:
-    from te_paged.integrations.megatron_dist_ckpt import linear_sharded_state_dict
+    from te_paged.integrations.megatron.dist_ckpt import linear_sharded_state_dict
 
     linear = GroupedLinear(E, H, FFN, bias=False, single_grouped_weight=True)
     with pytest.raises(NotImplementedError, match="one parameter per expert"):

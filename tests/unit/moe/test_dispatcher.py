@@ -160,21 +160,31 @@ def test_layer_static_equals_dropless_bitwise(kw) -> None:
     assert results[0][0].shape == x.shape and results[0][1].abs().max() > 0
 
 
-def test_set_dropless_toggles_a_shared_manager_in_any_order() -> None:
+def test_dropless_settings_compose_and_leave_the_manager_alone() -> None:
     cfg = config(moe_paged_stash=True)
     manager = PagedStashManager.from_config(cfg)
-    a, b = MoELayer(cfg, manager=manager, seed=0), MoELayer(cfg, manager=manager, seed=1)
+    a = MoELayer(cfg, manager=manager, seed=0)
+    d = a.dispatcher
     a.set_dropless(True)
-    b.set_dropless(True)
-    assert not manager.enabled and a.dropless and b.dropless
-    a.set_dropless(False)
-    assert manager.enabled  # `a` turned it off, `a` turns it back on
-    b.set_dropless(False)
-    assert manager.enabled and not b.dropless
-    manager.enabled = False  # a user's choice survives a dropless round trip
-    a.set_dropless(True)
-    a.set_dropless(False)
-    assert not manager.enabled
+    assert a.dropless and manager.enabled  # stashing is the manager's own switch
+    with d.dropless_block():
+        a.set_dropless(False)
+        assert d.dropless  # the runner's block holds whatever the caller sets meanwhile
+    assert not d.dropless
+    with d.dropless_block(), d.dropless_block():
+        assert d.dropless
+    assert not d.dropless
+
+
+def test_manager_disabled_blocks_are_counted() -> None:
+    manager = PagedStashManager.from_config(config(moe_paged_stash=True))
+    with manager.disabled():
+        with manager.disabled():
+            assert not manager.enabled
+        assert not manager.enabled  # the outer owner still holds it off
+    assert manager.enabled
+    with pytest.raises(AttributeError):
+        manager.enabled = False  # read-only: disabled() is the only switch
 
 
 def test_dropless_forward_never_stashes() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import types
@@ -10,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from te_paged.moe import TEGroupedMLP
+from te_paged.moe import PagedStashParticipant, TEGroupedMLP
 from te_paged.runtime import FallbackLimitError, PagedStashRunner
 from te_paged.stash import PagedStashManager
 
@@ -18,7 +19,8 @@ from ..moe.harness import ROWS, config
 
 
 class FakeDispatcher:
-    """Routes a fixed prefix; can be told to report (and apply) an over-budget drop."""
+    """Routes a fixed prefix; can be told to report (and apply) an over-budget drop. Has the
+    parts of :class:`StaticBudgetDispatcher` the runner uses."""
 
     def __init__(self) -> None:
         self.over_budget = torch.zeros((), dtype=torch.int64)
@@ -29,6 +31,14 @@ class FakeDispatcher:
         self.dropless = False
         self.force_over_budget = False
 
+    @contextlib.contextmanager
+    def dropless_block(self):
+        self.dropless = True
+        try:
+            yield
+        finally:
+            self.dropless = False
+
     def reset_flags(self) -> None:
         self.over_budget.zero_()
         self.peak_tokens.zero_()
@@ -38,14 +48,15 @@ class FakeDispatcher:
         return round(peak_pair_tokens / (num_tokens * 2), 2)
 
 
-class FakeMoELayer(nn.Module):
-    def __init__(self, cfg, manager) -> None:
+class FakeMoELayer(nn.Module, PagedStashParticipant):
+    def __init__(self, cfg, manager, dropout: float = 0.0) -> None:
         super().__init__()
         self.experts = TEGroupedMLP(4, cfg, manager=manager)
         self.dispatcher = FakeDispatcher()
+        self.dropout = nn.Dropout(dropout)
 
-    def set_dropless(self, on: bool) -> None:
-        self.dispatcher.dropless = on
+    def budget_dispatchers(self):
+        return (self.dispatcher,)
 
     def forward(self, x, tokens, probs):
         demand = int(tokens.sum())
@@ -55,14 +66,14 @@ class FakeMoELayer(nn.Module):
             self.dispatcher.over_budget += 1
             tokens = tokens.clone()
             tokens[0] = 0  # this attempt drops expert 0's tokens: a wrong result
-        return self.experts(x, tokens, probs)[0]
+        return self.dropout(self.experts(x, tokens, probs)[0])
 
 
-def make(cfg_kw=None, layers=2, seed=0):
+def make(cfg_kw=None, layers=2, seed=0, dropout=0.0):
     cfg = config(moe_paged_stash=True, **(cfg_kw or {}))
     torch.manual_seed(seed)
     manager = PagedStashManager.from_config(cfg)
-    model = nn.ModuleList([FakeMoELayer(cfg, manager) for _ in range(layers)])
+    model = nn.ModuleList([FakeMoELayer(cfg, manager, dropout) for _ in range(layers)])
     return model, manager
 
 
@@ -101,10 +112,10 @@ def test_in_budget_steps_run_once_with_stash() -> None:
     assert json.loads(rec.to_json())["step"] == 2
 
 
-def _reference(step: int):
-    model, manager = make()
-    manager.enabled = False
-    step_fn(model, step)()
+def _reference(step: int, **kw):
+    model, manager = make(**kw)
+    with manager.disabled():
+        step_fn(model, step)()
     return grads(model)
 
 
@@ -181,8 +192,74 @@ def test_grow_pool_raises_the_buffer_factor_after_an_overflow() -> None:
 def test_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="max_consecutive_fallbacks"):
         PagedStashRunner(nn.Linear(2, 2), PagedStashManager(), max_consecutive_fallbacks=0)
-    with pytest.raises(ValueError, match="no MoE layer"):
+    with pytest.raises(ValueError, match="no paged-stash participant"):
         PagedStashRunner(nn.Linear(2, 2))
+
+
+def test_finds_managers_and_dispatchers_through_the_protocol_only() -> None:
+    model, manager = make()
+    runner = PagedStashRunner(model)  # no manager given: the experts report it
+    assert runner.managers == [manager]
+    assert runner.dispatchers == [layer.dispatcher for layer in model]
+
+    class LooksLikeALayer(nn.Module):  # has the attributes, but does not take part
+        def __init__(self) -> None:
+            super().__init__()
+            self.dispatcher, self.manager = FakeDispatcher(), manager
+
+    with pytest.raises(ValueError, match="no paged-stash participant"):
+        PagedStashRunner(nn.ModuleList([LooksLikeALayer()]))
+
+
+def _rerun_with_dropout(cause: str):
+    """Step 1 reruns (``cause``: "overflow" of a 0.2x pool, or "over_budget" with a dropped
+    expert); the model draws dropout masks in forward."""
+    factor = 0.2 if cause == "overflow" else 1.1
+    model, manager = make({"moe_paged_stash_buffer_size_factor_cuda": factor}, dropout=0.5)
+    runner = PagedStashRunner(model, manager)
+    runner.step(step_fn(model, 0))
+    model.zero_grad()
+    model[1].dispatcher.force_over_budget = cause == "over_budget"
+    torch.manual_seed(77)  # the state the step starts from, here and in the reference
+    _, rec = runner.step(step_fn(model, 1))
+    assert rec.attempt == 2
+    reference, ref_manager = make(dropout=0.5)
+    torch.manual_seed(77)
+    with ref_manager.disabled():
+        step_fn(reference, 1)()
+    return [torch.equal(a, b) for a, b in zip(grads(model), grads(reference))]
+
+
+@pytest.mark.parametrize("cause", ["overflow", "over_budget"])
+def test_rerun_with_dropout_equals_a_run_that_never_overflowed(cause) -> None:
+    assert all(_rerun_with_dropout(cause))
+
+
+@pytest.mark.parametrize("cause", ["overflow", "over_budget"])
+def test_mutation_without_rng_restore_the_rerun_differs(monkeypatch, cause) -> None:
+    monkeypatch.setattr(PagedStashRunner, "restore_state", lambda self, state: None)
+    assert not all(_rerun_with_dropout(cause))
+
+
+def test_mutation_without_gradient_zeroing_the_rerun_differs(monkeypatch) -> None:
+    # Over budget: the failed attempt computed real (wrong) gradients, which would be added.
+    # (An overflowed stash reloads nothing, so that attempt's weight gradients are all zero.)
+    monkeypatch.setattr(PagedStashRunner, "clear_gradients", lambda self: None)
+    assert not all(_rerun_with_dropout("over_budget"))
+
+
+def test_before_rerun_runs_after_the_gradients_were_zeroed() -> None:
+    seen = []
+
+    def hook():
+        seen.append([p.grad.abs().sum().item() for p in model.parameters()])
+
+    model, manager = make({"moe_paged_stash_buffer_size_factor_cuda": 0.2})
+    runner = PagedStashRunner(model, manager, before_rerun=hook)
+    runner.step(step_fn(model, 0))
+    assert seen == []  # no rerun, no call
+    runner.step(step_fn(model, 1))
+    assert len(seen) == 1 and all(v == 0 for v in seen[0])
 
 
 def _toy(buffer_factor: float = 1.1):

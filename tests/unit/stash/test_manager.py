@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from typing import ClassVar
 
 import pytest
@@ -229,8 +230,8 @@ def test_over_budget_tokens_set_overflow_in_both_modes() -> None:
 
 def test_disabled_manager_installs_no_hooks() -> None:
     manager = PagedStashManager(page_size=4)
-    manager.enabled = False
-    run_model(manager, 0)
+    with manager.disabled():
+        run_model(manager, 0)
     assert manager.stats().stashes == 0
 
 
@@ -284,3 +285,39 @@ def test_tensor_marked_by_transformer_engine_is_paged() -> None:
         out.sum().backward()
         assert torch.equal(Keep.seen[0][:5], t.detach()[:5])
         assert manager.stats().stashes == 1
+
+
+def _train_steps(manager: PagedStashManager, steps: int, reset: bool) -> None:
+    w = torch.zeros(1, requires_grad=True)
+    optimizer = torch.optim.SGD([w], lr=0.1)
+    for step in range(steps):
+        if reset:
+            manager.reset()
+        run_model(manager, step)
+        (w * 1.0).sum().backward()
+        optimizer.step()
+
+
+@pytest.mark.parametrize("captured", [False, True])
+def test_a_step_without_reset_warns_once(captured) -> None:
+    # Never reset (capture mode for ever), or reset once after the capture step (the pool is
+    # allocated, then later steps keep stale pages and flags).
+    manager = PagedStashManager(page_size=8)
+    if captured:
+        run_model(manager, 0)
+        manager.reset()
+    state = "keeping the last step's pages" if captured else "still in capture mode"
+    with pytest.warns(RuntimeWarning, match=f"reset\\(\\) was not called.*{state}") as caught:
+        _train_steps(manager, 3, reset=False)
+    assert len([w for w in caught if "reset()" in str(w.message)]) == 1
+
+
+def test_steps_with_reset_do_not_warn() -> None:
+    manager = PagedStashManager(page_size=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _train_steps(manager, 3, reset=True)
+        # Several microbatches of one step (no optimizer step between them) do not warn either.
+        manager.reset()
+        run_model(manager, 0)
+        run_model(manager, 1)

@@ -1,0 +1,115 @@
+"""A real Megatron-core training step with paged stash: ``MegatronPagedStashRunner`` around
+``forward_backward_func``, Megatron DDP (grad buffers), Megatron's optimizer, dropout.
+
+One ``torchrun`` launch (4 CPU ranks, gloo) runs every case of ``train_worker.py``; the tests
+read its per-rank JSON. "Equal" is bitwise, per optimizer step: loss, grad norm, every parameter
+after the step and Megatron's MoE aux-loss tracker.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from functional_tests.launch import torchrun
+from functional_tests.megatron import train_worker
+from te_paged.integrations.megatron import cpu_shims
+
+WORLD_SIZE = 4
+LAUNCH_TIMEOUT_S = 300
+PARITY = [f"ep{ep}-overlap_{o}" for ep in (2, 4) for o in (False, True)]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    try:
+        cpu_shims.megatron_version()
+    except RuntimeError as e:
+        pytest.fail(str(e))
+    out = tmp_path_factory.mktemp("megatron_train")
+    torchrun(
+        ["-m", "functional_tests.megatron.train_worker", "--out", str(out),
+         "--timeout-s", str(LAUNCH_TIMEOUT_S - 30)],
+        nproc=WORLD_SIZE,
+        timeout_s=LAUNCH_TIMEOUT_S,
+        env={"PYTHONWARNINGS": "ignore"},  # Megatron warns at import that TE and Apex are absent
+    )  # fmt: skip
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
+    assert all(r["world_size"] == WORLD_SIZE for r in results)
+    return results
+
+
+def _all_equal(case: dict) -> bool:
+    return len(case["equal"]) == train_worker.STEPS and all(case["equal"])
+
+
+@pytest.mark.parametrize("name", PARITY)
+def test_paged_stash_on_off_bitwise_with_dropout(ranks, name) -> None:
+    for rank, result in enumerate(ranks):
+        case = result["parity"][name]
+        assert _all_equal(case), (rank, case["equal"])
+        assert case["attempt"] == [1] * train_worker.STEPS, case  # the stash really ran...
+        stashes, pops = case["stashes_pops"]
+        assert stashes == pops > 0, case  # ...and gave every page back
+
+
+def test_forced_over_budget_reruns_and_equals_a_run_that_never_overflowed(ranks) -> None:
+    for rank, result in enumerate(ranks):
+        assert result["reference_skewed"]["attempt"] == [1] * train_worker.STEPS, rank
+        case = result["over_budget"]
+        assert case["attempt"] == [2] * train_worker.STEPS, case  # every rank reran
+        assert all(n >= 1 for n in case["overbudget_ranks"]), case
+        assert _all_equal(case), (rank, case["equal"])
+
+
+def test_forced_stash_overflow_reruns_and_equals_a_run_that_never_overflowed(ranks) -> None:
+    for rank, result in enumerate(ranks):
+        assert result["reference"]["attempt"] == [1] * train_worker.STEPS, rank
+        case = result["overflow"]
+        # Step 0 captures (no pool yet); every later step overflows the 0.3x pool.
+        assert case["attempt"][1:] == [2] * (train_worker.STEPS - 1), case
+        assert all(n >= 1 for n in case["stash_overflow_ranks"][1:]), case
+        assert _all_equal(case), (rank, case["equal"])
+
+
+def test_host_spill_on_one_rank_needs_no_rerun(ranks) -> None:
+    for rank, result in enumerate(ranks):
+        case = result["spill"]
+        assert case["attempt"] == [1] * train_worker.STEPS, case
+        assert case["host_spill_ranks"][1:] == [1] * (train_worker.STEPS - 1), case
+        assert _all_equal(case), (rank, case["equal"])
+
+
+@pytest.mark.parametrize("guard", ["rng", "grad_buffer"])
+def test_mutation_removing_a_guard_breaks_the_rerun(ranks, guard) -> None:
+    # The same forced over-budget rerun, with the runner's RNG restore or its zeroing of
+    # DDP's grad buffers removed: the result must no longer equal the reference.
+    for rank, result in enumerate(ranks):
+        case = result[f"mutation_{guard}"]
+        assert case["attempt"] == [2] * train_worker.STEPS, case
+        assert not any(case["equal"]), (rank, case["equal"])
+
+
+def test_a_rank_that_skips_a_step_makes_every_rank_raise_naming_it(ranks) -> None:
+    for rank, result in enumerate(ranks):
+        message = result["desync"]
+        assert message is not None, f"rank {rank} did not detect the desync"
+        assert "rank(s) [0, 1, 2] at step 1" in message and "rank(s) [3] at step 2" in message
+
+
+@pytest.mark.parametrize("recompute", ["full", "moe"])
+def test_layer_recompute_with_paged_stash_is_bitwise_and_holds_one_layer(ranks, recompute):
+    # Megatron's full-layer / "moe" recompute uses a reentrant checkpoint: its first forward
+    # saves nothing, the recomputation in backward pages and pops one layer at a time. So the
+    # captured peak is one of the two layers' pages (not both, and not twice), and every
+    # stashed tensor is popped.
+    for rank, result in enumerate(ranks):
+        case = result[f"recompute_{recompute}"]
+        assert case["attempt"] == [1] * train_worker.STEPS, case
+        assert _all_equal(case), (rank, case["equal"])
+        stashes, pops = case["stashes_pops"]
+        assert stashes == pops > 0, case
+        layers = train_worker.SMALL["layers"]
+        full_peak = result["reference"]["capture_peak_pages"]
+        assert case["capture_peak_pages"] * layers == full_peak, (case, full_peak)

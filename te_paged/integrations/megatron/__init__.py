@@ -1,0 +1,92 @@
+"""te_paged inside Megatron-core: specs, a static-budget dispatcher, a step runner, checkpoints.
+
+Importing this package does not import Megatron; the spec builders, the runner's calls and
+:class:`PagedStashMoELayer` do (with an install hint when it is missing). Tested against
+megatron-core 0.16.1 on CPU (see docs/megatron.md).
+
+=================  =====================================================================
+module             what
+=================  =====================================================================
+``experts``        :class:`MegatronTEGroupedMLP` (te_paged's experts behind Megatron's
+                   expert-module protocol) and the spec builders
+                   (:func:`get_te_paged_moe_spec`: with ``moe_expert_rank_capacity_factor``
+                   the layer is :class:`PagedStashMoELayer`)
+``moe_layer``      :class:`PagedStashMoELayer`: Megatron's ``MoELayer`` with te_paged's
+                   dispatcher (imports Megatron)
+``dispatcher``     :class:`StaticBudgetTokenDispatcher`: Megatron's token-dispatcher
+                   interface on te_paged's static budget (HybridEP's budget rule)
+``runner``         :class:`MegatronPagedStashRunner`: around ``forward_backward_func``
+``linears``        :class:`MegatronGroupedLinear` for Megatron's own ``TEGroupedMLP``
+``state_dict``     Megatron expert checkpoints ↔ te_paged modules
+``dist_ckpt``      Megatron ``dist_checkpointing`` layout of te_paged's experts and linears
+``cpu_shims``      stand-ins for Megatron's CUDA-only calls, for CPU runs only (never
+                   installed by importing anything)
+``common``         the lazy import, config reading, device rules
+=================  =====================================================================
+
+What the experts receive depends on the dispatcher (megatron-core 0.16.1):
+
+=====================================  ======================================  =================
+dispatcher                             expert input                            stash saves
+=====================================  ======================================  =================
+te_paged's static budget (the spec     static ``[max_num_tokens, H]``, device  the padding: the
+builder's choice whenever              counts, real tokens a prefix (sync-     (cf − bf) × S of
+``moe_expert_rank_capacity_factor``    free)                                   DESIGN §1
+is set)
+``alltoall``/``allgather``, dropless   dynamic ``[sum(tokens), H]``, host      nothing (and
+(no rank capacity factor)              ``tokens_per_expert`` (a D2H sync)      paged stash needs
+                                                                               the factor)
+=====================================  ======================================  =================
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from te_paged.integrations.megatron.common import megatron_moe_config
+from te_paged.integrations.megatron.dispatcher import StaticBudgetTokenDispatcher
+from te_paged.integrations.megatron.experts import (
+    MegatronTEGroupedMLP,
+    get_te_paged_experts_spec,
+    get_te_paged_moe_spec,
+    paged_stash_managers,
+)
+from te_paged.integrations.megatron.linears import (
+    MegatronGroupedLinear,
+    get_te_paged_linear_moe_spec,
+)
+from te_paged.integrations.megatron.runner import MegatronPagedStashRunner
+from te_paged.integrations.megatron.state_dict import (
+    grouped_to_sequential_state_dict,
+    load_megatron_expert_state_dict,
+    sequential_to_grouped_state_dict,
+    to_megatron_grouped_state_dict,
+    to_megatron_sequential_state_dict,
+)
+
+__all__ = [
+    "MegatronGroupedLinear",
+    "MegatronPagedStashRunner",
+    "MegatronTEGroupedMLP",
+    "PagedStashMoELayer",
+    "StaticBudgetTokenDispatcher",
+    "get_te_paged_experts_spec",
+    "get_te_paged_linear_moe_spec",
+    "get_te_paged_moe_spec",
+    "grouped_to_sequential_state_dict",
+    "load_megatron_expert_state_dict",
+    "megatron_moe_config",
+    "paged_stash_managers",
+    "sequential_to_grouped_state_dict",
+    "to_megatron_grouped_state_dict",
+    "to_megatron_sequential_state_dict",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # PagedStashMoELayer derives from Megatron's MoELayer: import Megatron only when asked.
+    if name == "PagedStashMoELayer":
+        from te_paged.integrations.megatron.moe_layer import PagedStashMoELayer
+
+        return PagedStashMoELayer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

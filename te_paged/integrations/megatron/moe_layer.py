@@ -1,0 +1,103 @@
+"""``PagedStashMoELayer``: Megatron-core's ``MoELayer`` with te_paged's static-budget dispatcher.
+
+Importing this module imports Megatron (the class derives from Megatron's ``MoELayer``);
+:func:`~te_paged.integrations.megatron.get_te_paged_moe_spec` imports it only when the config
+has ``moe_expert_rank_capacity_factor``.
+
+The layer is Megatron's, routing, shared experts, recompute and all; only the token dispatcher
+is replaced (Megatron's constructor builds its own first, from ``moe_token_dispatcher_type``,
+which is then unused). It takes part in the runner protocol
+(:class:`~te_paged.moe.participant.PagedStashParticipant`): it reports its dispatcher; its
+experts report their stash manager. While the dispatcher is dropless (the runner's rerun), the
+experts' rows are dynamic and the layer keeps them out of the stash
+(``manager.disabled()``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+
+import torch
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
+
+from te_paged.integrations.megatron.common import compute_device, group_size, megatron_moe_config
+from te_paged.integrations.megatron.dispatcher import StaticBudgetTokenDispatcher
+from te_paged.moe import PagedStashParticipant, StaticBudgetDispatcher
+from te_paged.stash import PagedStashManager
+
+__all__ = ["PagedStashMoELayer", "check_static_budget_config"]
+
+
+def check_static_budget_config(config: object, tp_size: int = 1) -> None:
+    """Reject Megatron settings the static-budget dispatcher cannot honour, with the fix."""
+    problems = []
+    for name, bad, fix in (
+        ("moe_expert_capacity_factor", None, "set it to None: the static rank budget "
+         "(moe_expert_rank_capacity_factor) replaces Megatron's per-expert capacity"),
+        ("moe_pad_expert_input_to_capacity", False, "set it to False"),
+        ("moe_shared_expert_overlap", False, "set it to False (shared experts still run)"),
+        ("moe_latent_size", None, "set it to None"),
+    ):  # fmt: skip
+        value = getattr(config, name, bad)
+        if value != bad:
+            problems.append(f"{name}={value!r}: {fix}")
+    if tp_size > 1:
+        problems.append(
+            f"tensor parallelism of {tp_size} ranks: the static-budget dispatcher exchanges tokens "
+            "over the expert-parallel group only; use tensor_model_parallel_size=1"
+        )
+    if problems:
+        raise ValueError(
+            "te_paged's static-budget dispatcher (selected by moe_expert_rank_capacity_factor): "
+            + "; ".join(problems)
+        )
+
+
+class PagedStashMoELayer(MoELayer, PagedStashParticipant):
+    """Megatron's ``MoELayer`` whose token dispatcher is :class:`StaticBudgetTokenDispatcher`.
+
+    Megatron's constructor arguments (``config, submodules, layer_number, pg_collection``) plus
+    the spec param ``overrides`` (te_paged-only config fields, e.g. the capacity factor, see
+    :func:`~te_paged.integrations.megatron.megatron_moe_config`).
+    """
+
+    def __init__(
+        self,
+        config: object,
+        submodules: object = None,
+        layer_number: int | None = None,
+        pg_collection: object = None,
+        *,
+        overrides: Mapping[str, object] | None = None,
+    ) -> None:
+        super().__init__(config, submodules, layer_number, pg_collection)
+        check_static_budget_config(config, group_size(self.tp_group))
+        cfg = megatron_moe_config(config, **dict(overrides or {}))
+        self.token_dispatcher = StaticBudgetTokenDispatcher(
+            cfg,
+            self.ep_group,
+            align=get_align_size_for_quantization(config),
+            device=compute_device(),
+        )
+
+    def budget_dispatchers(self) -> tuple[StaticBudgetDispatcher, ...]:
+        """The runner protocol: this layer's dispatcher (its experts report their manager)."""
+        return (self.token_dispatcher.budget,)
+
+    def _managers(self) -> tuple[PagedStashManager, ...]:
+        experts = self.experts
+        if isinstance(experts, PagedStashParticipant):
+            return experts.paged_stash_managers()
+        return ()
+
+    def routed_experts_compute(
+        self, hidden_states: torch.Tensor, probs: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        with contextlib.ExitStack() as stack:
+            if self.token_dispatcher.dropless:
+                # Dynamic-shaped rows have no static budget to page against.
+                for manager in self._managers():
+                    stack.enter_context(manager.disabled())
+            return super().routed_experts_compute(hidden_states, probs)

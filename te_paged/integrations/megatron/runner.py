@@ -1,0 +1,201 @@
+"""``MegatronPagedStashRunner``: Megatron-core's ``forward_backward_func``, rerun when a static
+budget overflowed, with a result equal to a run that never overflowed.
+
+Usage (the one change to a Megatron training loop; see docs/megatron.md)::
+
+    runner = MegatronPagedStashRunner(model, optimizer)            # model: list of DDP chunks
+    ...
+    losses, record = runner(forward_step_func=forward_step, data_iterator=data_iterator,
+                            model=model, num_microbatches=n, seq_length=s,
+                            micro_batch_size=b, forward_only=False)
+    update_successful, grad_norm, num_zeros = optimizer.step()
+
+It takes the keyword arguments of Megatron's ``forward_backward_func`` (the function itself
+comes from ``get_forward_backward_func()``, or ``forward_backward_func=`` at construction) and
+returns ``(what the function returned, StepRecord)``. On top of :class:`PagedStashRunner`
+(reset of every manager, one world-wide reduction of [overflow, over budget, host spill, step
+index] per step, dropless rerun without stashing, runaway guard), for Megatron it:
+
+* pre-reads the step's microbatches (``num_microbatches`` items from each data iterator, as
+  Megatron's own paged-stash runner does) and hands every attempt a fresh iterator over them,
+  so a rerun replays identical data;
+* snapshots, and restores before a rerun, every random generator the step draws from: torch's
+  CPU and CUDA generators and the states of Megatron's ``get_cuda_rng_tracker()`` (dropout in
+  tensor- and expert-parallel regions) — so a rerun with dropout draws the same masks;
+* restores what the failed attempt changed outside the gradients: Megatron's MoE aux-loss /
+  load-balancing tracker (``get_moe_layer_wise_logging_tracker``), and the routers'
+  ``expert_bias`` and ``local_tokens_per_expert`` (aux-loss-free balancing updates them in
+  ``finalize_model_grads``, at the end of the failed attempt);
+* zeroes what the failed attempt accumulated: ``param.grad``, each DDP chunk's grad buffers
+  (``zero_grad_buffer()``: ``main_grad``) and the optimizer's gradients.
+
+The flags are reduced over the whole world (every pipeline stage and expert group reruns
+together). Importing this module does not import Megatron.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from te_paged.runtime import PagedStashRunner, StepRecord, StepState
+
+__all__ = ["MegatronPagedStashRunner"]
+
+_REQUIRED = ("forward_step_func", "data_iterator", "model", "num_microbatches")
+
+
+def _clone_rng(state: Any) -> Any:
+    if isinstance(state, torch.Tensor):
+        return state.clone()
+    if isinstance(state, torch.Generator):  # a CUDA-graph-safe tracker keeps generators
+        return state.clone_state()
+    return copy.deepcopy(state)
+
+
+def _prefetch(data_iterator: Any, num_microbatches: int) -> tuple[Any, bool]:
+    """The step's microbatches: ``num_microbatches`` items of each iterator (``None`` stays)."""
+
+    def take(it: Iterator | None, chunk: int) -> list | None:
+        if it is None:
+            return None
+        items = []
+        for i in range(num_microbatches):
+            try:
+                items.append(next(it))
+            except StopIteration:
+                raise ValueError(
+                    f"data iterator {chunk} ran out after {i} of {num_microbatches} "
+                    "microbatches: the runner pre-reads num_microbatches items per step "
+                    "so that a rerun replays the same data"
+                ) from None
+        return items
+
+    if isinstance(data_iterator, list):
+        return [take(it, i) for i, it in enumerate(data_iterator)], True
+    return take(data_iterator, 0), False
+
+
+def _replay(data: Any, is_list: bool) -> Any:
+    if is_list:
+        return [None if d is None else iter(d) for d in data]
+    return None if data is None else iter(data)
+
+
+class MegatronPagedStashRunner(PagedStashRunner):
+    """Megatron's step under the paged-stash runner; see the module docstring.
+
+    ``MegatronPagedStashRunner(model, optimizer=None, config=None, *, forward_backward_func=None,
+    max_consecutive_fallbacks=3, grow_pool=False, measure_fallback_memory=False,
+    before_rerun=None)``: ``model`` is the list of model chunks (Megatron DDP wrappers, or bare
+    modules) or one chunk; ``optimizer`` Megatron's optimizer (its gradients are zeroed before a
+    rerun); ``config`` the model's ``TransformerConfig`` (default: the first chunk's).
+    ``before_rerun`` runs after everything above was restored and zeroed.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | list[nn.Module],
+        optimizer: object = None,
+        config: object = None,
+        *,
+        forward_backward_func: Callable[..., Any] | None = None,
+        max_consecutive_fallbacks: int = 3,
+        grow_pool: bool = False,
+        measure_fallback_memory: bool = False,
+        before_rerun: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__(
+            model,
+            group=None,  # the whole world: all pipeline stages and expert groups rerun together
+            max_consecutive_fallbacks=max_consecutive_fallbacks,
+            grow_pool=grow_pool,
+            measure_fallback_memory=measure_fallback_memory,
+            before_rerun=before_rerun,
+        )
+        from megatron.core.utils import get_model_config
+
+        self.optimizer = optimizer
+        self.config = config if config is not None else get_model_config(self.chunks[0])
+        self.forward_backward_func = forward_backward_func
+        self._forward_only = False
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self._routers = [m for c in self.chunks for m in c.modules() if isinstance(m, TopKRouter)]
+
+    def __call__(self, *, iteration: int | None = None, **kwargs: Any) -> tuple[Any, StepRecord]:
+        """One step: ``forward_backward_func(**kwargs)``, rerun if a budget overflowed.
+
+        ``iteration`` (not passed on) is the training loop's iteration number, compared across
+        ranks to catch a rank that skipped a step (see :meth:`PagedStashRunner.step`).
+        """
+        missing = [k for k in _REQUIRED if k not in kwargs]
+        if missing:
+            raise TypeError(
+                f"MegatronPagedStashRunner takes forward_backward_func's keyword arguments; "
+                f"missing {missing}"
+            )
+        func = self.forward_backward_func
+        if func is None:
+            from megatron.core.pipeline_parallel import get_forward_backward_func
+
+            func = get_forward_backward_func()
+        data, is_list = _prefetch(kwargs["data_iterator"], kwargs["num_microbatches"])
+        self._forward_only = bool(kwargs.get("forward_only", False))
+
+        def step_fn() -> Any:
+            return func(**{**kwargs, "data_iterator": _replay(data, is_list)})
+
+        return self.step(step_fn, step=iteration)
+
+    # ------------------------------------------------------------------------ state and grads
+
+    def snapshot_state(self) -> StepState:
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        state = super().snapshot_state()
+        tracker = get_cuda_rng_tracker()
+        state.extra["rng_tracker"] = {n: _clone_rng(s) for n, s in tracker.get_states().items()}
+        state.extra["aux_losses"] = {
+            name: entry["values"].clone()
+            for name, entry in get_moe_layer_wise_logging_tracker().items()
+        }
+        state.extra["routers"] = [
+            {n: b.clone() for n, b in r.named_buffers(recurse=False)} for r in self._routers
+        ]
+        return state
+
+    def restore_state(self, state: StepState) -> None:
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        super().restore_state(state)
+        saved = state.extra["rng_tracker"]
+        get_cuda_rng_tracker().set_states({n: _clone_rng(s) for n, s in saved.items()})
+        losses = state.extra["aux_losses"]
+        for name, entry in get_moe_layer_wise_logging_tracker().items():
+            if name in losses:
+                entry["values"].copy_(losses[name])
+            else:  # created by the failed attempt
+                entry["values"].zero_()
+        with torch.no_grad():
+            for router, buffers in zip(self._routers, state.extra["routers"]):
+                for name, buf in router.named_buffers(recurse=False):
+                    buf.copy_(buffers[name])
+
+    def clear_gradients(self) -> None:
+        if self._forward_only:
+            return
+        super().clear_gradients()
+        for chunk in self.chunks:
+            # Megatron's DDP wrappers keep gradients in buffers (`param.main_grad`).
+            zero_grad_buffer = getattr(chunk, "zero_grad_buffer", None)
+            if zero_grad_buffer is not None:
+                zero_grad_buffer()
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()

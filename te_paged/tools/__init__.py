@@ -1,0 +1,1 @@
+"""Tooling around the library (the CLI's engines); nothing in the library imports it."""

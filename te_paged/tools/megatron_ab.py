@@ -1,0 +1,385 @@
+"""``te-paged ab --engine megatron``: paged stash ON vs OFF inside a real Megatron-core step.
+
+The model is a small Megatron ``GPTModel``: Megatron's local layer spec for attention (with
+dropout), te_paged's MoE spec for every MLP (so with a capacity factor, Megatron's ``MoELayer``
+with te_paged's static-budget dispatcher and te_paged's experts), DeepSeek-V3-style routing
+(sigmoid scores, aux-loss-free expert bias, a small sequence aux loss), Megatron's DDP with
+grad buffers (``main_grad``), Megatron's optimizer (Adam, gradient clipping) and
+``forward_backward_func`` driven by :class:`MegatronPagedStashRunner`. Per rank it runs the
+same steps OFF, then ON, from the same seed and data, and records per step the loss, the grad
+norm, the runner's record, the aux-loss tracker, the peak activation memory and every
+parameter after the optimizer step (compared bitwise ON vs OFF).
+
+``S`` for this model, as for the default engine: the balanced-case bytes of the tensors the
+stash pages at the capture step's peak of concurrently live rows — per MoE layer FC1's input
+``[balanced, H]``, the activation's input ``[balanced, 2F]`` and probabilities ``[balanced]``
+and FC2's input ``[balanced, F]``, where ``balanced = avg_num_tokens(max_num_tokens)`` rows and
+the peak holds the layers of one microbatch (the no-pipelining schedule runs each
+microbatch's backward before the next forward).
+
+``--skew`` adds that much to expert 0's routing bias on rank 0 (the expert bias only steers
+selection), so rank 0 sends more than its pair budget to expert 0's rank: a forced
+over-budget rerun. Needs megatron-core 0.16.1; on CPU the caller installs
+:mod:`te_paged.integrations.megatron.cpu_shims` first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import warnings
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from te_paged.runtime.ab import RankResult, StepResult
+from te_paged.runtime.memory import PeakMemoryMeter
+from te_paged.runtime.model import ModelConfig
+
+__all__ = [
+    "MegatronModelConfig",
+    "TrainRun",
+    "megatron_parallel",
+    "quiet_megatron",
+    "run_megatron_ab",
+    "same_steps",
+    "train",
+]
+
+
+def quiet_megatron() -> None:
+    """Keep the table readable: silence what this tool's run always prints and is not about the
+    run — megatron-core's import-time notes that TE and Apex are absent, its transformer layer
+    naming te_paged's MoE layer an "Unknown MLP type" (see docs/megatron.md), and torch's module
+    tracker skipping hooks of modules already freed."""
+    for message in (
+        ".*Transformer Engine and Apex are not installed.*",
+        ".*Apex is not installed.*",
+        ".*Transformer Engine is not installed.*",
+        "Module is None. Skipping",
+        "full scope is deprecated",  # megatron-core 0.16.1's own default cuda_graph_scope
+    ):
+        warnings.filterwarnings("ignore", message=message)
+    logging.getLogger("megatron.core.transformer.transformer_layer").setLevel(logging.ERROR)
+
+
+@dataclasses.dataclass
+class MegatronModelConfig(ModelConfig):
+    """The ``ab --engine megatron`` model and run (defaults: about a minute, 4 CPU ranks)."""
+
+    layers: int = 4
+    experts: int = 8
+    hidden: int = 128
+    ffn: int = 256
+    heads: int = 4
+    vocab: int = 512
+    seq_length: int = 128
+    micro_batch_size: int = 2
+    microbatches: int = 2
+    ep: int | None = None  # expert-parallel size; None: the world size
+    dropout: float = 0.1
+    overlap_grad_reduce: bool = False
+    layer_recompute: str | None = None  # "full" (every layer) or "moe" (the MoE layer)
+    max_consecutive_fallbacks: int = 3  # the runner's runaway guard
+    measure_memory: bool = True  # the peak of every step (torch's trackers; slow on CPU)
+    steps: int = 3
+
+    def __post_init__(self) -> None:
+        self.tokens = self.seq_length * self.micro_batch_size  # per rank and microbatch
+
+
+@dataclasses.dataclass
+class TrainRun:
+    """One run of :func:`train` on this rank."""
+
+    steps: list[StepResult]
+    params: list[list[torch.Tensor]]  # per step, after the optimizer step
+    aux: list[dict[str, torch.Tensor]]  # per step, Megatron's aux-loss tracker
+    managers: list
+    pool_bytes: list[int] = dataclasses.field(default_factory=list)  # per step
+    s_bytes: list[int] = dataclasses.field(default_factory=list)  # per step (see module doc)
+
+
+def _transformer_config(cfg: MegatronModelConfig, ep: int):
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    recompute = {}
+    if cfg.recompute:
+        recompute = {"recompute_granularity": "selective", "recompute_modules": ["moe_act"]}
+    if cfg.layer_recompute == "full":  # every layer, one at a time (Megatron's reentrant ckpt)
+        recompute = {
+            "recompute_granularity": "full",
+            "recompute_method": "uniform",
+            "recompute_num_layers": 1,
+        }
+    elif cfg.layer_recompute == "moe":
+        recompute = {"recompute_granularity": "selective", "recompute_modules": ["moe"]}
+    return TransformerConfig(
+        num_layers=cfg.layers,
+        hidden_size=cfg.hidden,
+        num_attention_heads=cfg.heads,
+        ffn_hidden_size=cfg.ffn,
+        num_moe_experts=cfg.experts,
+        moe_ffn_hidden_size=cfg.ffn,
+        moe_router_topk=cfg.topk,
+        moe_grouped_gemm=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        bias_activation_fusion=True,
+        add_bias_linear=False,
+        hidden_dropout=cfg.dropout,
+        attention_dropout=cfg.dropout,
+        moe_token_dispatcher_type="alltoall",  # replaced by te_paged's static-budget dispatcher
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_bias_update_rate=1e-3,
+        moe_router_load_balancing_type="seq_aux_loss",
+        moe_aux_loss_coeff=1e-4,
+        expert_model_parallel_size=ep,
+        use_cpu_initialization=True,
+        **recompute,
+    )
+
+
+def _overrides(cfg: MegatronModelConfig, paged: bool) -> dict[str, object]:
+    """te_paged's fields (megatron-core 0.16.1's config has none of them)."""
+    return {
+        "moe_expert_rank_capacity_factor": cfg.capacity_factor,
+        "moe_paged_stash": paged,
+        "moe_paged_stash_page_size": cfg.page_size,
+        "moe_paged_stash_buffer_size_factor_cuda": cfg.buffer_factor_cuda,
+        "moe_paged_stash_buffer_size_factor_cpu": cfg.buffer_factor_cpu,
+        "moe_paged_stash_kernel_backend": cfg.kernel_backend,
+        "use_transformer_engine_op_fuser": cfg.op_fuser,
+    }
+
+
+def microbatch(cfg: MegatronModelConfig, step: int, index: int, rank: int) -> torch.Tensor:
+    """Token ids ``[micro_batch_size, seq_length + 1]`` of one microbatch (inputs and labels)."""
+    seed = ((cfg.seed * 1_000_003 + step) * 65_537 + index) * 1_031 + rank
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, cfg.vocab, (cfg.micro_batch_size, cfg.seq_length + 1), generator=g)
+
+
+def forward_step(data_iterator, model, before_forward: Callable[[], None] | None = None):
+    """Megatron's ``forward_step_func``: the LM loss of one microbatch. ``before_forward`` (the
+    CPU memory tracker's ``new_iteration``: each microbatch runs the same modules again) is
+    called first."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    if before_forward is not None:
+        before_forward()
+
+    tokens = next(data_iterator)
+    device = next(model.parameters()).device
+    tokens = tokens.to(device)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    positions = torch.arange(inputs.shape[1], device=device).unsqueeze(0).expand_as(inputs)
+    # Megatron's DDP forward only calls its module. Calling the module directly keeps torch's
+    # MemTracker working: it calls module.buffers(), which DDP shadows with its grad buffers.
+    if isinstance(model, DistributedDataParallel):
+        model = model.module
+    output = model(inputs, positions, None, labels=labels)
+
+    def loss_func(output_tensor: torch.Tensor):
+        loss = output_tensor.float().mean()
+        return loss, {"lm loss": loss.detach()}
+
+    return output, loss_func
+
+
+def _build(cfg: MegatronModelConfig, paged: bool, ep: int, device: torch.device, rank: int):
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+    from te_paged.integrations.megatron import (
+        MegatronPagedStashRunner,
+        PagedStashMoELayer,
+        get_te_paged_moe_spec,
+    )
+
+    model_parallel_cuda_manual_seed(cfg.seed, force_reset_rng=True)
+    torch.manual_seed(cfg.seed)
+    clear_aux_losses_tracker()
+    tcfg = _transformer_config(cfg, ep)
+    # The MLP spec is replaced below: ask for the plain one (no deprecation notice).
+    spec = get_gpt_layer_local_spec(num_experts=cfg.experts, moe_grouped_gemm=False)
+    spec.submodules.mlp = get_te_paged_moe_spec(tcfg, device=device, **_overrides(cfg, paged))
+    model = GPTModel(
+        config=tcfg,
+        transformer_layer_spec=spec,
+        vocab_size=cfg.vocab,
+        max_sequence_length=cfg.seq_length,
+    ).to(device)
+    if cfg.skew and rank == 0:
+        with torch.no_grad():
+            for layer in model.modules():
+                if isinstance(layer, PagedStashMoELayer):
+                    layer.router.expert_bias[0] += cfg.skew
+    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=cfg.overlap_grad_reduce)
+    ddp = DistributedDataParallel(tcfg, ddp_config, model)
+    tcfg.no_sync_func = ddp.no_sync
+    tcfg.finalize_model_grads_func = finalize_model_grads
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.01, clip_grad=1.0), [ddp]
+    )
+    runner = MegatronPagedStashRunner(
+        [ddp], optimizer, max_consecutive_fallbacks=cfg.max_consecutive_fallbacks
+    )
+    return ddp, optimizer, runner
+
+
+@contextlib.contextmanager
+def megatron_parallel(ep: int) -> Iterator[None]:
+    """Megatron's model-parallel state with expert parallelism ``ep`` (TP = PP = 1) inside."""
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def train(
+    cfg: MegatronModelConfig,
+    paged: bool,
+    ep: int,
+    device: torch.device,
+    rank: int,
+    progress: Callable[[str], None] | None = None,
+    iterations: list[int] | None = None,
+) -> TrainRun:
+    """``cfg.steps`` training steps (or the given ``iterations``, passed to the runner) of a
+    fresh model, inside :func:`megatron_parallel`."""
+    from megatron.core.transformer.moe.moe_utils import (
+        clear_aux_losses_tracker,
+        get_moe_layer_wise_logging_tracker,
+    )
+
+    ddp, optimizer, runner = _build(cfg, paged, ep, device, rank)
+    run = TrainRun([], [], [], runner.managers)
+    for step in range(cfg.steps) if iterations is None else iterations:
+        data = [microbatch(cfg, step, i, rank) for i in range(cfg.microbatches)]
+        optimizer.zero_grad()
+        ddp.zero_grad_buffer()
+        for manager in runner.managers:
+            manager.reset()  # allocates the pool after the capture step: outside the meter
+        meter = PeakMemoryMeter(device) if cfg.measure_memory else None
+        with meter if meter is not None else contextlib.nullcontext():
+            runner.before_rerun = None if meter is None else meter.new_iteration
+            losses, record = runner(
+                forward_step_func=functools.partial(
+                    forward_step, before_forward=runner.before_rerun
+                ),
+                data_iterator=iter(data),
+                model=[ddp],
+                num_microbatches=cfg.microbatches,
+                seq_length=cfg.seq_length,
+                micro_batch_size=cfg.micro_batch_size,
+                forward_only=False,
+                iteration=step,
+            )
+        _, grad_norm, _ = optimizer.step()
+        tracker = get_moe_layer_wise_logging_tracker()
+        run.aux.append({n: e["values"].detach().cpu().clone() for n, e in tracker.items()})
+        clear_aux_losses_tracker()  # as Megatron's training loop does after logging
+        run.params.append([p.detach().cpu().clone() for p in ddp.module.parameters()])
+        loss = torch.stack([x["lm loss"] for x in losses]).mean()
+        run.steps.append(
+            StepResult(
+                float(loss),
+                float(grad_norm),
+                record.attempt,
+                record.enabled,
+                record.stash_overflow_ranks,
+                record.overbudget_ranks,
+                record.host_spill_ranks,
+                meter.report.peak_bytes if meter else 0,
+                dataclasses.asdict(record)
+                | {"memory_method": meter.report.method if meter else "not measured"},
+            )
+        )
+        pool, s_bytes = _pool_and_s(runner.managers)
+        run.pool_bytes.append(pool)
+        run.s_bytes.append(s_bytes)
+        if progress is not None:
+            progress(f"megatron {'ON ' if paged else 'OFF'} step {step + 1}/{cfg.steps}")
+    return run
+
+
+def _pool_and_s(managers: list) -> tuple[int, int]:
+    """``(pool bytes, S bytes)`` of the managers now (0, 0 while no pool is allocated)."""
+    pool = s_bytes = 0
+    for manager in managers:
+        stats = manager.stats()
+        pool += stats.pool_bytes
+        for key, buf in manager.buffers.items():
+            rows = stats.capture_peak_balanced_rows[str(key)]
+            s_bytes += rows * key.hidden * buf.pool_NH.element_size()
+    return pool, s_bytes
+
+
+def same_steps(a: TrainRun, b: TrainRun) -> list[bool]:
+    """Per step: loss, grad norm, every parameter after the optimizer step and the aux-loss
+    tracker bitwise equal."""
+
+    def same(x: list[torch.Tensor], y: list[torch.Tensor]) -> bool:
+        return len(x) == len(y) and all(torch.equal(u, v) for u, v in zip(x, y))
+
+    return [
+        sa.loss == sb.loss
+        and sa.grad_norm == sb.grad_norm
+        and same(pa, pb)
+        and aa.keys() == ab.keys()
+        and same(list(aa.values()), [ab[k] for k in aa])
+        for sa, sb, pa, pb, aa, ab in zip(a.steps, b.steps, a.params, b.params, a.aux, b.aux)
+    ]
+
+
+def run_megatron_ab(
+    cfg: MegatronModelConfig,
+    device: torch.device | str = "cpu",
+    progress: Callable[[str], None] | None = None,
+) -> RankResult:
+    """OFF then ON on this rank of an initialised process group; Megatron's model-parallel
+    state is initialised here (EP ``cfg.ep``, default the world size) and destroyed after."""
+    device = torch.device(device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ep = cfg.ep or world
+    with megatron_parallel(ep):
+        off = train(cfg, False, ep, device, rank, progress)
+        on = train(cfg, True, ep, device, rank, progress)
+    equal = same_steps(on, off)
+    (manager,) = on.managers
+    stats = manager.stats()
+    # Report the last step after the capture step whose kept attempt used the stash (reruns
+    # are global, so every rank picks the same one).
+    kept = [i for i, st in enumerate(on.steps) if i > 0 and st.attempt == 1]
+    step = kept[-1] if kept else None
+    return RankResult(
+        rank,
+        on.steps,
+        off.steps,
+        equal,
+        on.pool_bytes[step] if step is not None else 0,
+        stats.host_pool_bytes,
+        on.s_bytes[step] if step is not None else 0,
+        stats.stashes,
+        stats.pops,
+        on.steps[-1].record["memory_method"],
+        [],
+        memory_step=step,
+    )
