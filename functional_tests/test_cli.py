@@ -211,3 +211,65 @@ def test_bench_writes_reports_with_the_command(tmp_path) -> None:
 def test_ab_rejects_bad_arguments(bad) -> None:
     proc = te_paged("ab", *bad)
     assert proc.returncode == 2 and "--nproc must be >= 1" in proc.stderr
+
+
+def test_ab_engine_megatron_default_model_is_bitwise_and_saves_memory(tmp_path) -> None:
+    # The default Megatron model on 4 spawned ranks (EP 4): the saving inside Megatron's
+    # GPTModel must reach 0.95 of the reload-adjusted model (cf − bf − cf/L) × S.
+    js = tmp_path / "ab.json"
+    proc = te_paged("ab", "--engine", "megatron", "--json", str(js))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "| step | loss ON | loss OFF |" in proc.stdout and "bitwise equal" in proc.stdout
+    assert "Traceback" not in proc.stderr
+    data = json.loads(js.read_text())
+    assert data["engine"] == "megatron" and data["world_size"] == 4
+    assert data["config"]["layers"] == 4 and data["config"]["dropout"] == 0.1
+    for rank in data["ranks"]:
+        assert all(rank["grads_equal"]), rank["grads_equal"]  # every parameter, every step
+        assert [s["loss"] for s in rank["on"]] == [s["loss"] for s in rank["off"]]
+    memory = data["memory"]
+    assert memory["S_bytes"] > 0 and memory["pool_bytes"] > 0
+    assert memory["measured_over_reload_adjusted"] >= 0.95, memory
+
+
+def test_ab_engine_megatron_forced_reruns_stay_bitwise(tmp_path) -> None:
+    js = tmp_path / "ab.json"
+    small = ["--layers", "2", "--hidden", "64", "--ffn", "128", "--seq-length", "32"]
+    proc = te_paged(
+        "ab", "--engine", "megatron", "--nproc", "2", *small, "--steps", "2", "--skew", "2",
+        "--capacity-factor", "1.5", "--json", str(js),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    data = json.loads(js.read_text())
+    on = data["ranks"][0]["on"]
+    assert [s["attempt"] for s in on] == [2, 2] and all(s["overbudget_ranks"] for s in on)
+    assert all(all(r["grads_equal"]) for r in data["ranks"])
+    assert data["memory"] is None and "every step after the capture step" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--engine", "megatron", "--fp8", "mxfp8"], "--fp8 is not available with --engine"),
+        (["--engine", "megatron", "--record-profile", "p.json"], "--record-profile is not"),
+        (["--dropout", "0.1"], "--dropout: only with --engine megatron"),
+        (["--ep", "2", "--overlap-grad-reduce"], "--ep, --overlap-grad-reduce: only with"),
+    ],
+)
+def test_ab_engine_arguments_are_checked_before_any_rank_starts(args, message, capsys) -> None:
+    assert cli.main(["ab", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_ab_engine_megatron_without_megatron_exits_2_with_the_install_line(
+    monkeypatch, capsys
+) -> None:
+    from te_paged.integrations.megatron import cpu_shims
+
+    def missing() -> str:
+        raise RuntimeError(f"megatron-core is not importable: {cpu_shims.INSTALL_HINT}")
+
+    monkeypatch.setattr(cpu_shims, "megatron_version", missing)
+    assert cli.main(["ab", "--engine", "megatron"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install --no-deps megatron-core==0.16.1" in err and "Traceback" not in err

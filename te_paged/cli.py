@@ -172,7 +172,7 @@ def _check_engine_args(args: argparse.Namespace) -> str | None:
         f"--{n.replace('_', '-')}" for n in _MEGATRON_ONLY if getattr(args, n) not in (None, False)
     ]
     if given:
-        return f"{', '.join(given)} only apply to --engine megatron"
+        return f"{', '.join(given)}: only with --engine megatron"
     return None
 
 
@@ -324,6 +324,13 @@ def _ab_rank(rank: int, world: int, init: str, args: argparse.Namespace, out: st
 
 def _spawn_target(rank: int, world: int, init: str, args: argparse.Namespace, out: str) -> None:
     _ab_rank(rank, world, init, args, out)
+    # The rank's work is done and its result written (rank 0) after a barrier. Leave without
+    # the interpreter's teardown: under load, gloo's native threads were seen to abort a
+    # spawned rank at exit ("terminate called without an active exception", SIGABRT), which
+    # failed a run whose result was complete.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _megatron_missing() -> str | None:
