@@ -12,10 +12,13 @@ update it without a host round trip:
 ``flags`` (int64, one per manager, shared by all its pools)
     ``OVERFLOW`` counts stashes that found no room (or more tokens than the static budget) —
     once non-zero, every copy and pop is a no-op; ``HOST_SPILL`` counts tensors that went to the
-    host tier.
+    host tier; ``INVALID`` counts misuse the kernels refuse on the device: a record popped a
+    second time (and, from the layers, token counts that cannot be right).
 
 ``record`` (per stashed tensor) — ``pages`` (int32, ``ceil(max_rows / page_size)`` slots) and
-    ``meta`` (int64): ``ROWS`` stored and the ``TIER`` they went to.
+    ``meta`` (int64): ``ROWS`` stored, the ``TIER`` they went to, and ``POPPED`` (0, then 1 once
+    a pop returned the pages: a second pop of the record leaves the free list alone, zeroes the
+    destination and counts ``INVALID``).
 
 Worked example (4 device pages, page size 2, free list initially ``[0 1 2 3]``, head 0, tail 4):
 stash A (3 rows) takes slots 0–1 → pages ``[0 1]``, head 2; stash B (1 row) takes slot 2 → page
@@ -46,11 +49,13 @@ class State(enum.IntEnum):
 class Flag(enum.IntEnum):
     OVERFLOW = 0
     HOST_SPILL = 1
+    INVALID = 2
 
 
 class Meta(enum.IntEnum):
     ROWS = 0
     TIER = 1
+    POPPED = 2
 
 
 class Tier(enum.IntEnum):

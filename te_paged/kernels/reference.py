@@ -123,7 +123,7 @@ def torch_stash_copy(
             f"{page_size} need {slots}"
         )
     meta = _ints(rec_meta)
-    meta[Meta.ROWS], meta[Meta.TIER] = 0, int(Tier.NONE)
+    meta[Meta.ROWS], meta[Meta.TIER], meta[Meta.POPPED] = 0, int(Tier.NONE), 0
     fl = _ints(flags)
     if fl[Flag.OVERFLOW] != 0:
         _store(rec_meta, meta)
@@ -183,13 +183,20 @@ def torch_stash_pop(
 ) -> None:
     """Copy a record's rows back into ``dst_RH`` and return its pages to their free list.
 
-    With ``zero_padding`` the rows past the stored ones are zeroed (so nothing downstream can see
+    A record pops once: a second pop counts ``INVALID`` and reads and frees nothing. With
+    ``zero_padding`` the rows past the stored ones are zeroed (so nothing downstream can see
     stale memory); otherwise they are left as they were. After an overflow the pool is left
     untouched and no row is read (all of ``dst_RH`` is padding).
     """
-    overflowed = _ints(flags)[Flag.OVERFLOW] != 0
+    fl = _ints(flags)
+    overflowed = fl[Flag.OVERFLOW] != 0
     meta = _ints(rec_meta)
     rows, tier = meta[Meta.ROWS], Tier(meta[Meta.TIER])
+    popped_before = meta[Meta.POPPED] != 0
+    if popped_before:  # a second pop: its pages may belong to another tensor by now
+        fl[Flag.INVALID] += 1
+        _store(flags, fl)
+        tier = Tier.NONE
     if overflowed or tier is Tier.NONE:
         rows = 0
     if rows > dst_RH.shape[0]:
@@ -198,6 +205,8 @@ def torch_stash_pop(
         dst_RH[rows:].zero_()
     if overflowed or tier is Tier.NONE:
         return
+    meta[Meta.POPPED] = 1
+    _store(rec_meta, meta)
     need = -(-rows // page_size)
     pages = _ints(rec_pages_M)[:need]
     if tier is Tier.DEVICE:

@@ -49,8 +49,10 @@ _ROWS_STASHED = tl.constexpr(int(State.ROWS_STASHED))
 _SPILLED = tl.constexpr(int(State.SPILLED))
 _OVERFLOW = tl.constexpr(int(Flag.OVERFLOW))
 _HOST_SPILL = tl.constexpr(int(Flag.HOST_SPILL))
+_INVALID = tl.constexpr(int(Flag.INVALID))
 _ROWS = tl.constexpr(int(Meta.ROWS))
 _TIER = tl.constexpr(int(Meta.TIER))
+_POPPED = tl.constexpr(int(Meta.POPPED))
 _NONE = tl.constexpr(int(Tier.NONE))
 _DEVICE = tl.constexpr(int(Tier.DEVICE))
 _HOST = tl.constexpr(int(Tier.HOST))
@@ -89,6 +91,7 @@ def _alloc_kernel(
     tier = to_dev.to(tl.int64) * _DEVICE + to_host.to(tl.int64) * _HOST  # Tier.NONE is 0
     tl.store(rec_meta_ptr + _ROWS, stored_rows)
     tl.store(rec_meta_ptr + _TIER, tier)
+    tl.store(rec_meta_ptr + _POPPED, tier * 0)
     tl.store(flags_ptr + _OVERFLOW, tl.load(flags_ptr + _OVERFLOW) + overflow.to(tl.int64))
     tl.store(flags_ptr + _HOST_SPILL, tl.load(flags_ptr + _HOST_SPILL) + to_host.to(tl.int64))
     tl.store(state_ptr + _ROWS_STASHED, tl.load(state_ptr + _ROWS_STASHED) + stored_rows)
@@ -135,6 +138,8 @@ def _move_kernel(
     rows = tl.load(rec_meta_ptr + _ROWS)  # 0 for Tier.NONE: the alloc kernel wrote it so
     if not TO_POOL:  # after an overflow the record's pages may hold anything: read none
         rows = tl.where(tl.load(flags_ptr + _OVERFLOW) == 0, rows, 0)
+        # Popped before: the pages may belong to another tensor by now. Read none.
+        rows = tl.where(tl.load(rec_meta_ptr + _POPPED) == 0, rows, 0)
         # A dst shorter than the record is a caller bug the reference raises on; never write
         # past the end of dst for it (the free kernel still returns all the record's pages).
         rows = tl.minimum(rows, max_rows)
@@ -180,7 +185,12 @@ def _free_kernel(
 ):  # fmt: skip
     tier = tl.load(rec_meta_ptr + _TIER)
     need = (tl.load(rec_meta_ptr + _ROWS) + page_size - 1) // page_size
-    need = tl.where(tl.load(flags_ptr + _OVERFLOW) == 0, need, 0)  # overflow: pool untouched
+    active = tl.load(flags_ptr + _OVERFLOW) == 0  # overflow: pool untouched
+    popped = tl.load(rec_meta_ptr + _POPPED) != 0  # a second pop: free nothing, count it
+    need = tl.where(active & ~popped, need, 0)
+    stored = (tier == _DEVICE) | (tier == _HOST)
+    tl.store(flags_ptr + _INVALID, tl.load(flags_ptr + _INVALID) + popped.to(tl.int64))
+    tl.store(rec_meta_ptr + _POPPED, (popped | (active & stored)).to(tl.int64))
     n_dev = tl.where(tier == _DEVICE, need, 0)
     n_host = tl.where(tier == _HOST, need, 0)
     tail = tl.load(state_ptr + _TAIL)

@@ -10,6 +10,7 @@ import dataclasses
 
 import torch
 
+from te_paged.config.checks import require_device, require_int
 from te_paged.kernels.layout import STATE_LEN, State
 
 __all__ = ["PagedStashBuffer", "StashKey", "storage_dtype"]
@@ -35,6 +36,8 @@ def storage_dtype(dtype: torch.dtype) -> torch.dtype:
     Storing bits rather than values makes "stash only moves bytes" literal: NaN payloads,
     negative zeros and FP8 encodings round-trip exactly.
     """
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"expected a torch.dtype, got {dtype!r}")
     if dtype.is_complex or dtype == torch.bool:
         raise TypeError(f"paged stash cannot store tensors of dtype {dtype}")
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -68,12 +71,14 @@ class PagedStashBuffer:
         device: torch.device | str,
         host_num_pages: int = 0,
     ) -> None:
-        if num_pages < 1 or host_num_pages < 0 or page_size < 1:
-            raise ValueError(
-                f"PagedStashBuffer({key}) needs num_pages >= 1, host_num_pages >= 0 and "
-                f"page_size >= 1, got {num_pages}, {host_num_pages}, {page_size}"
-            )
-        device = torch.device(device)
+        if not isinstance(key, StashKey):
+            raise TypeError(f"key must be a StashKey(dtype, hidden), got {key!r}")
+        require_int("key.hidden", key.hidden, minimum=1)
+        storage_dtype(key.dtype)  # refuses dtypes the pool cannot store
+        require_int("num_pages", num_pages, minimum=1)
+        require_int("page_size", page_size, minimum=1)
+        require_int("host_num_pages", host_num_pages, minimum=0)
+        device = require_device("device", device)
         self.key = key
         self.page_size = page_size
         self.num_pages = num_pages

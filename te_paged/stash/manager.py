@@ -34,6 +34,13 @@ from collections.abc import Iterator
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from te_paged.config.checks import (
+    require_bool,
+    require_choice,
+    require_device,
+    require_int,
+    require_real,
+)
 from te_paged.kernels.layout import FLAGS_LEN, META_LEN, Flag, Meta, State, Tier
 from te_paged.kernels.ops import KernelBackend, resolve_backend, stash_copy, stash_pop
 from te_paged.markers import (
@@ -73,6 +80,7 @@ class StashStats:
     tensors_spilled: int
     overflow: bool
     host_spill: bool
+    invalid: bool  # a record popped twice, or token counts that cannot be right (see Flag)
     pool_pages: dict[str, int]
     host_pool_pages: dict[str, int]
     pages_high_water: dict[str, int]
@@ -94,7 +102,10 @@ class _Scope:
 class _Captured:
     """Capture-step stand-in for a paged tensor: the actual rows, exactly sized."""
 
-    __slots__ = ("balanced", "dtype", "key", "max_rows", "reloaded", "rows", "rows_RH", "shape")
+    __slots__ = (
+        "balanced", "dtype", "generation", "key", "max_rows", "reloaded", "rows", "rows_RH",
+        "shape",
+    )  # fmt: skip
 
     def __init__(self, **kw: object) -> None:
         self.reloaded: torch.Tensor | None = None
@@ -105,7 +116,9 @@ class _Captured:
 class _Paged:
     """Handle autograd keeps instead of a paged tensor; reloads it once, on first unpack."""
 
-    __slots__ = ("buffer", "dtype", "max_rows", "meta", "pages_M", "reloaded", "shape")
+    __slots__ = (
+        "buffer", "dtype", "generation", "max_rows", "meta", "pages_M", "reloaded", "shape",
+    )  # fmt: skip
 
     def __init__(self, **kw: object) -> None:
         self.reloaded: torch.Tensor | None = None
@@ -127,16 +140,15 @@ class PagedStashManager:
         zero_padding: bool = True,
         record_timeline: bool = False,
     ) -> None:
-        if page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {page_size}")
-        for name, value in (("cuda", buffer_size_factor_cuda), ("cpu", buffer_size_factor_cpu)):
-            if not math.isfinite(value) or value < 0:
-                raise ValueError(f"buffer_size_factor_{name} must be finite and >= 0, got {value}")
-        if buffer_size_factor_cuda == 0:
-            raise ValueError(
-                "buffer_size_factor_cuda must be > 0: with no device pages every "
-                "stash would spill or overflow"
-            )
+        page_size = require_int("page_size", page_size, minimum=1)
+        buffer_size_factor_cuda = require_real(
+            "buffer_size_factor_cuda", buffer_size_factor_cuda, strict=True
+        )  # 0 device pages: every stash would spill or overflow
+        buffer_size_factor_cpu = require_real("buffer_size_factor_cpu", buffer_size_factor_cpu)
+        device = require_device("device", device)
+        kernel_backend = require_choice("kernel_backend", kernel_backend, KernelBackend)
+        require_bool("zero_padding", zero_padding)
+        require_bool("record_timeline", record_timeline)
         self.page_size = page_size
         self.buffer_size_factor_cuda = buffer_size_factor_cuda
         self.buffer_size_factor_cpu = buffer_size_factor_cpu
@@ -156,6 +168,9 @@ class PagedStashManager:
         #: Each event reads the pool state on the host: telemetry for small runs, not for speed.
         self.timeline: list[TimelineEvent] | None = [] if record_timeline else None
         self._live_rows: dict[StashKey, int] = {}
+        # Bumped by reset()/release(), which hand every page out again: a handle stashed
+        # before refuses to unpack (its rows may be another tensor's by now).
+        self._generation = 0
         # A step boundary without reset(): an optimizer stepped after this manager stashed, and
         # reset() has not run since. The next stash warns (once): see _check_step_boundary.
         self._stepped_since_reset = False
@@ -205,6 +220,7 @@ class PagedStashManager:
         returns every page and clears flags and counters in place, allocating nothing."""
         if self._scope is not None:
             raise RuntimeError("PagedStashManager.reset() called inside an open scope")
+        self._generation += 1
         if self.mode is StashMode.CAPTURE and self._peaks:
             self.mode = StashMode.CAPTURED
         if self.mode is StashMode.CAPTURED and len(self.buffers) < len(self._peaks):
@@ -223,6 +239,7 @@ class PagedStashManager:
     def release(self) -> None:
         """Free every pool (e.g. before a dropless rerun); the next ``reset()`` reallocates them
         from the captured peaks."""
+        self._generation += 1
         self.buffers.clear()
 
     def pool_pages_for(self, key: StashKey) -> tuple[int, int]:
@@ -276,11 +293,8 @@ class PagedStashManager:
             raise TypeError("num_tokens must be a one-element integer tensor on the device")
         if num_tokens.dtype.is_floating_point or num_tokens.dtype == torch.bool:
             raise TypeError(f"num_tokens must be an integer tensor, got {num_tokens.dtype}")
-        if max_num_tokens < 1 or not 0 <= avg_num_tokens:
-            raise ValueError(
-                f"scope needs max_num_tokens >= 1 and avg_num_tokens >= 0, got "
-                f"{max_num_tokens} and {avg_num_tokens}"
-            )
+        require_int("max_num_tokens", max_num_tokens, minimum=1)
+        require_int("avg_num_tokens", avg_num_tokens, minimum=0)
         self._scope = _Scope(max_num_tokens, num_tokens.reshape(1), avg_num_tokens)
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
@@ -324,6 +338,13 @@ class PagedStashManager:
                 f"{per_row} token(s) per row): only token-major [max_num_tokens, ...] tensors "
                 "may be marked"
             )
+        if t.shape[0] != max_rows:  # numel may divide for a transposed or reshaped tensor
+            raise ValueError(
+                f"marked saved tensor of shape {tuple(t.shape)} is not token-major: its first "
+                f"dimension must be the scope's {max_rows} rows (max_num_tokens="
+                f"{scope.max_num_tokens}, {per_row} token(s) per row); mark the [rows, ...] "
+                "tensor itself, not a transposed or flattened view"
+            )
         return StashKey(t.dtype, t.numel() // max_rows), max_rows
 
     def _pack(self, t: torch.Tensor) -> object:
@@ -357,14 +378,16 @@ class PagedStashManager:
             stash_copy(self.backend, rows_RH, scope.num_tokens, kind.tokens_per_row,
                        self.page_size, *args)  # fmt: skip
         self._trace("stash", buffer, meta)
-        return _Paged(
+        handle = _Paged(
             buffer=buffer,
             max_rows=max_rows,
             pages_M=pages_M,
             meta=meta,
             shape=t.shape,
             dtype=t.dtype,
+            generation=self._generation,
         )
+        return handle
 
     def _capture_pack(
         self,
@@ -389,7 +412,7 @@ class PagedStashManager:
         peak.peak_rows = max(peak.peak_rows, peak.live_rows)
         peak.peak_balanced = max(peak.peak_balanced, peak.live_balanced)
         peak.peak_balanced_pages = max(peak.peak_balanced_pages, peak.live_balanced_pages)
-        return _Captured(
+        handle = _Captured(
             key=key,
             max_rows=max_rows,
             rows=rows,
@@ -397,9 +420,18 @@ class PagedStashManager:
             shape=t.shape,
             dtype=t.dtype,
             balanced=balanced,
+            generation=self._generation,
         )
+        return handle
 
     def _unpack(self, handle: object) -> torch.Tensor:
+        if isinstance(handle, (_Paged, _Captured)) and handle.reloaded is None:
+            if handle.generation != self._generation:
+                raise RuntimeError(
+                    "backward reached a tensor stashed before the last reset()/release(), "
+                    "which handed its pages out again: it cannot be reloaded. Call reset() at "
+                    "step boundaries only, after every backward of the step (the runners do)"
+                )
         if isinstance(handle, _Paged):
             if handle.reloaded is None:
                 buffer = handle.buffer
@@ -471,6 +503,7 @@ class PagedStashManager:
             tensors_spilled=spilled,
             overflow=flags[Flag.OVERFLOW] > 0,
             host_spill=flags[Flag.HOST_SPILL] > 0,
+            invalid=flags[Flag.INVALID] > 0,
             pool_pages=pool_pages,
             host_pool_pages=host_pages,
             pages_high_water=hwm,

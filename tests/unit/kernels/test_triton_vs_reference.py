@@ -94,7 +94,7 @@ class Record:
         # Garbage, not zeros: copy must write the meta itself and leave unused page slots alone.
         slots = -(-max_rows // page_size)
         pages = torch.full((slots,), -7, dtype=torch.int32, device=device)
-        return cls(pages, torch.tensor([5, 3], dtype=torch.int64, device=device), max_rows)
+        return cls(pages, torch.tensor([5, 3, 9], dtype=torch.int64, device=device), max_rows)
 
 
 class Twin:
@@ -273,10 +273,10 @@ def test_overflow_when_device_full_and_no_host() -> None:
     twin = _single()
     src_RH = _bits(torch.int16, (6, 4), 0, twin.device)
     rec_a = twin.copy(src_RH, 4, 1)  # both pages
-    assert rec_a.meta.tolist() == [4, Tier.DEVICE]
+    assert rec_a.meta.tolist() == [4, Tier.DEVICE, 0]
     rec_b = twin.copy(src_RH, 1, 1)
-    assert rec_b.meta.tolist() == [0, Tier.NONE]
-    assert twin.flags[1].tolist() == [1, 0]
+    assert rec_b.meta.tolist() == [0, Tier.NONE, 0]
+    assert twin.flags[1].tolist() == [1, 0, 0]
     assert _state(twin) == [2, 2, 2, 0, 0, 0, 4, 0]
 
 
@@ -287,8 +287,8 @@ def test_after_overflow_copies_and_pops_are_noops() -> None:
     twin.copy(src_RH, 6, 1)  # needs 3 pages, 1 left: overflow
     before = {k: v.clone() for k, v in twin.pools[1][torch.int16].tensors().items()}
     rec = twin.copy(src_RH, 1, 1)  # would fit, but the step is already invalid
-    assert rec.meta.tolist() == [0, Tier.NONE]
-    assert twin.flags[1].tolist() == [1, 0]  # counted once, not per later stash
+    assert rec.meta.tolist() == [0, Tier.NONE, 0]
+    assert twin.flags[1].tolist() == [1, 0, 0]  # counted once, not per later stash
     untouched = twin.pop(0, 4, zero_padding=False, seed=5)  # stored before the overflow
     assert _same(untouched, _bits(torch.int16, (6, 4), 5, twin.device))
     zeroed = twin.pop(0, 4, zero_padding=True, seed=5)  # the overflowing stash: Tier.NONE
@@ -303,8 +303,8 @@ def test_host_spill_then_pop_from_host() -> None:
     twin = _single(dev_pages=1, host_pages=3)
     src_RH = _bits(torch.int16, (5, 4), 0, twin.device)
     rec = twin.copy(src_RH, 3, 1)  # 2 pages > 1 free device page: host tier
-    assert rec.meta.tolist() == [3, Tier.HOST]
-    assert twin.flags[1].tolist() == [0, 1]
+    assert rec.meta.tolist() == [3, Tier.HOST, 0]
+    assert twin.flags[1].tolist() == [0, 1, 0]
     state = _state(twin)
     assert state[State.HOST_HEAD] == 2 and state[State.HOST_HWM] == 2
     assert state[State.SPILLED] == 1 and state[State.HEAD] == 0
@@ -333,7 +333,7 @@ def test_more_tokens_than_rows_overflows(tokens_per_row, max_rows, num_tokens, o
 def test_zero_tokens_is_a_device_record_of_no_rows() -> None:
     twin = _single()
     rec = twin.copy(_bits(torch.int16, (3, 4), 0, twin.device), 0, 1)
-    assert rec.meta.tolist() == [0, Tier.DEVICE] and rec.pages_M.tolist() == [-7, -7]
+    assert rec.meta.tolist() == [0, Tier.DEVICE, 0] and rec.pages_M.tolist() == [-7, -7]
     twin.pop(0, 4, zero_padding=True, seed=1)
 
 
@@ -349,7 +349,7 @@ def test_other_element_types_move_as_bits(dtype) -> None:
     src_RH = src_RH.to(device)
     twin.copy(src_RH, 5, 1)  # 2 device pages
     twin.copy(src_RH, 7, 1)  # 3 pages, 2 device pages left: host tier
-    assert twin.flags[1].tolist() == [0, 1]
+    assert twin.flags[1].tolist() == [0, 1, 0]
     twin.pop(0, 3, zero_padding=True, seed=0)
     dst_RH = twin.pop(0, 3, zero_padding=True, seed=0)
     assert _same(dst_RH, src_RH)
@@ -436,8 +436,8 @@ def test_wrappers_read_nothing_on_the_host(host_pages) -> None:
             )
     # The kernels did run under the guard: 3 tokens spilled to the host or overflowed, 9 > 4 rows
     # overflowed (once: after the first overflow nothing counts).
-    assert flags.tolist() == [1, 1 if host_pages else 0]
-    assert rec.meta.tolist() == [0, Tier.NONE]
+    assert flags.tolist() == [1, 1 if host_pages else 0, 0]
+    assert rec.meta.tolist() == [0, Tier.NONE, 0]
 
 
 def test_shape_errors_name_the_problem() -> None:
@@ -469,3 +469,24 @@ def test_shape_errors_name_the_problem() -> None:
             rec_pages_M=few_slots,
             rec_meta=meta,
         )
+
+
+@pytest.mark.parametrize("host_pages", [0, 2])
+def test_a_second_pop_of_a_record_frees_nothing_and_counts_invalid(host_pages) -> None:
+    # Before: a second pop returned the record's pages again, so the free list held more free
+    # pages than the pool has, and two later stashes shared a page.
+    twin = _single(dev_pages=2 if not host_pages else 1, host_pages=host_pages)
+    src_RH = _bits(torch.int16, (4, 4), 0, twin.device)
+    twin.copy(src_RH, 3, 1)  # 2 pages: the device (or, with 1 device page, the host tier)
+    entry = twin.records[0]
+    first = twin.pop(0, 4, zero_padding=True, seed=1)
+    assert _same(first[:3], src_RH[:3]) and entry[2].meta[Meta.POPPED] == 1
+    state = _state(twin)
+    twin.records.insert(0, entry)
+    again = twin.pop(0, 4, zero_padding=True, seed=2)  # both kernels: the same refusal
+    assert not again.any() and twin.flags[1][Flag.INVALID] == 1
+    assert _state(twin) == state  # no page went back a second time
+    dev_pages = 1 if host_pages else 2
+    free_dev = state[State.TAIL] - state[State.HEAD]
+    free_host = state[State.HOST_TAIL] - state[State.HOST_HEAD]
+    assert (free_dev, free_host) == (dev_pages, host_pages)  # every page free exactly once

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from te_paged.kernels import Meta, Tier, torch_stash_copy, torch_stash_pop
-from te_paged.kernels.layout import FLAGS_LEN
+from te_paged.kernels.layout import FLAGS_LEN, META_LEN
 from te_paged.stash import PagedStashBuffer, StashKey, storage_dtype
 
 
@@ -39,7 +39,7 @@ class KernelHarness:
     def stash(self, x: torch.Tensor, num_tokens: int, tokens_per_row: int = 1):
         rows_RH = x.view(storage_dtype(x.dtype))
         pages = torch.full((-(-x.shape[0] // self.buffer.page_size),), -1, dtype=torch.int32)
-        pages, meta = self.wrap(pages), self.wrap(torch.zeros(2, dtype=torch.int64))
+        pages, meta = self.wrap(pages), self.wrap(torch.zeros(META_LEN, dtype=torch.int64))
         torch_stash_copy(
             rows_RH,
             torch.tensor([num_tokens]),

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from te_paged import (
+    PagedStashBuffer,
     PagedStashManager,
+    StashKey,
     StashMode,
     mark_grouped_tensor,
     mark_recompute_managed,
@@ -145,6 +147,17 @@ def test_non_divisible_numel_is_a_clear_error() -> None:
         Keep.apply(t)
 
 
+@pytest.mark.parametrize("shape", [(4, 8), (2, 16), (32,)])
+def test_a_marked_tensor_that_is_not_token_major_is_refused(shape) -> None:
+    # Before: numel 32 divides by the 8 rows, so a transposed [4, 8] or flattened tensor was
+    # paged as [8, 4] rows and a prefix of "rows" kept: elements lost without a word.
+    manager = PagedStashManager(page_size=4)
+    t = torch.randn(*shape, requires_grad=True)
+    mark_grouped_tensor(t)
+    with manager.scope(8, torch.tensor(2), 4), pytest.raises(ValueError, match="not token-major"):
+        Keep.apply(t)
+
+
 def test_scale_inverse_needs_a_budget_multiple_of_32() -> None:
     manager = PagedStashManager(page_size=4)
     s = torch.randn(2, 3, requires_grad=True)
@@ -194,6 +207,15 @@ def test_scope_validates_its_arguments() -> None:
     bad = torch.tensor(2.0)
     with pytest.raises(TypeError, match="integer tensor"), manager.scope(8, bad, 4):
         pass
+    n = torch.tensor(2)
+    for args, error, match in (
+        ((8.0, n, 4), TypeError, "max_num_tokens must be an int"),
+        ((0, n, 4), ValueError, "max_num_tokens must be >= 1"),
+        ((8, n, -1), ValueError, "avg_num_tokens must be >= 0"),
+        ((8, n, 4.5), TypeError, "avg_num_tokens must be an int"),
+    ):
+        with pytest.raises(error, match=match), manager.scope(*args):
+            pass
 
 
 def test_too_small_pool_overflows_without_crashing() -> None:
@@ -260,16 +282,26 @@ def test_from_config() -> None:
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
+    ("kwargs", "error", "match"),
     [
-        ({"page_size": 0}, "page_size"),
-        ({"buffer_size_factor_cuda": 0.0}, "buffer_size_factor_cuda must be > 0"),
-        ({"buffer_size_factor_cpu": -1.0}, "buffer_size_factor_cpu"),
-        ({"buffer_size_factor_cuda": float("nan")}, "finite"),
+        ({"page_size": 0}, ValueError, "page_size must be >= 1, got 0"),
+        ({"page_size": 64.0}, TypeError, "page_size must be an int, got 64.0"),
+        ({"page_size": True}, TypeError, "page_size must be an int"),
+        ({"buffer_size_factor_cuda": 0.0}, ValueError, "buffer_size_factor_cuda must be finite "
+         "and > 0"),
+        ({"buffer_size_factor_cpu": -1.0}, ValueError, "buffer_size_factor_cpu must be finite"),
+        ({"buffer_size_factor_cuda": float("nan")}, ValueError, "finite"),
+        ({"buffer_size_factor_cuda": "1.1"}, TypeError, "must be a number, got '1.1'"),
+        ({"device": "cuda"}, ValueError, "CUDA is not available here; use device='cpu'"),
+        ({"device": "nonsense"}, ValueError, "device='nonsense' is not a device"),
+        ({"device": 3}, TypeError, "device must be a torch.device or a string"),
+        ({"kernel_backend": "cuda"}, ValueError, "kernel_backend='cuda' is not one of 'auto', "
+         "'triton', 'torch'"),
+        ({"zero_padding": "yes"}, TypeError, "zero_padding must be True or False"),
     ],
-)
-def test_manager_rejects_bad_arguments(kwargs, match) -> None:
-    with pytest.raises(ValueError, match=match):
+)  # fmt: skip
+def test_manager_rejects_bad_arguments(kwargs, error, match) -> None:
+    with pytest.raises(error, match=match):
         PagedStashManager(**kwargs)
 
 
@@ -321,3 +353,61 @@ def test_steps_with_reset_do_not_warn() -> None:
         manager.reset()
         run_model(manager, 0)
         run_model(manager, 1)
+
+
+def _forward(manager: PagedStashManager, step: int = 0):
+    """One marked layer's forward inside a scope; returns the output (it holds the graph)."""
+    torch.manual_seed(step)
+    x = torch.randn(40, 16, requires_grad=True)
+    w = torch.randn(16, 16, requires_grad=True)
+    with manager.scope(40, torch.tensor(17), 20):
+        return torch.tanh(MarkedLinear.apply(x, w))
+
+
+@pytest.mark.parametrize("captured", [False, True])
+@pytest.mark.parametrize("what", ["reset", "release"])
+def test_backward_after_a_step_boundary_raises_instead_of_reading_reused_pages(captured, what):
+    # Before: reset() between a forward and its backward let backward reload pages that the
+    # next stash had overwritten, and the free list ended with more pages than the pool.
+    manager = PagedStashManager(page_size=8)
+    if captured:
+        _forward(manager).sum().backward()
+        manager.reset()
+    stale = _forward(manager, 1)
+    getattr(manager, what)()
+    manager.reset()
+    fresh = _forward(manager, 2)  # takes the pages the stale graph's tensor had
+    with pytest.raises(RuntimeError, match=r"stashed before the last reset\(\)/release\(\)"):
+        stale.sum().backward()
+    fresh.sum().backward()  # the pool is intact: the new step completes
+    stats = manager.stats()
+    assert stats.pops == stats.stashes == 1 and not stats.overflow and not stats.invalid
+    if manager.buffers:
+        (buf,) = manager.buffers.values()
+        state = buf.state.tolist()
+        assert state[1] - state[0] == buf.num_pages  # every page free exactly once
+
+
+def test_a_graph_dropped_without_backward_does_not_block_reset() -> None:
+    manager = PagedStashManager(page_size=8)
+    _forward(manager).sum().backward()
+    manager.reset()
+    _forward(manager, 1)  # e.g. an evaluation forward with grad on: the graph dies here
+    manager.reset()
+    assert manager.stats().stashes == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "match"),
+    [
+        (("f32x4", 4, 2, "cpu"), TypeError, "key must be a StashKey"),
+        ((StashKey(torch.float32, 0), 4, 2, "cpu"), ValueError, "key.hidden must be >= 1"),
+        ((StashKey(torch.bool, 4), 4, 2, "cpu"), TypeError, "cannot store tensors of dtype"),
+        ((StashKey(torch.float32, 4), 0, 2, "cpu"), ValueError, "num_pages must be >= 1"),
+        ((StashKey(torch.float32, 4), 4, 2.0, "cpu"), TypeError, "page_size must be an int"),
+        ((StashKey(torch.float32, 4), 4, 2, "cuda"), ValueError, "CUDA is not available"),
+    ],
+)
+def test_buffer_rejects_bad_arguments(args, error, match) -> None:
+    with pytest.raises(error, match=match):
+        PagedStashBuffer(*args)
