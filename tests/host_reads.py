@@ -16,6 +16,7 @@ _FORBIDDEN = frozenset(
 )
 _FORBIDDEN_PREFIXES = ("aten::unique", "aten::_unique")  # data-dependent output shapes
 _PATCHED = ("tolist", "numpy")
+_BODY = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
 
 
 def _raiser(name: str):
@@ -32,17 +33,26 @@ class NoHostReads(TorchDispatchMode):
     ``Tensor.tolist`` and ``Tensor.numpy`` read CPU memory below the dispatcher, so they are
     patched to raise while the guard is active. The CPU autograd engine runs backward on the
     calling thread, so the guard sees backward too.
+
+    A dispatch mode is off while its own handler runs, so an op's Python body (te_paged's stash
+    ops: the kernel wrappers) would run unguarded: the guard re-enters itself around those.
     """
 
+    _depth = 0  # the guard re-enters itself (see below): patch on the outermost entry only
+
     def __enter__(self):
-        self._saved = {name: getattr(torch.Tensor, name) for name in _PATCHED}
-        for name in _PATCHED:
-            setattr(torch.Tensor, name, _raiser(name))
+        if self._depth == 0:
+            self._saved = {name: getattr(torch.Tensor, name) for name in _PATCHED}
+            for name in _PATCHED:
+                setattr(torch.Tensor, name, _raiser(name))
+        self._depth += 1
         return super().__enter__()
 
     def __exit__(self, *exc):
-        for name, fn in self._saved.items():
-            setattr(torch.Tensor, name, fn)
+        self._depth -= 1
+        if self._depth == 0:
+            for name, fn in self._saved.items():
+                setattr(torch.Tensor, name, fn)
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -52,4 +62,7 @@ class NoHostReads(TorchDispatchMode):
             raise AssertionError(f"host read: {name}")
         if name == "aten::repeat_interleave" and kwargs.get("output_size") is None:
             raise AssertionError(f"host read: {name} without output_size")
+        if name.startswith("te_paged::"):  # run the op's body (past this mode) with the guard on
+            with self:
+                return func.redispatch(_BODY, *args, **kwargs)
         return func(*args, **kwargs)

@@ -51,6 +51,7 @@ from te_paged.grouped.grouped_tensor import (
     group_ids_from_offsets,
     offsets_from_splits,
     row_mask_from_offsets,
+    splits_are_invalid,
 )
 from te_paged.markers import MXFP8_SCALE_BLOCK, mark_grouped_tensor
 from te_paged.te import te_grouped_linear_class
@@ -249,7 +250,10 @@ class GroupedLinear(nn.Module):
     the rows per GEMM; returns ``[..., out]`` with zeros in the padding rows, or ``(out, bias)``
     with ``return_bias`` (``bias`` ``[num_gemms, out]`` not added, or ``None`` without bias).
     On the device-initiated path ``m_splits`` must be an integer tensor on ``inp``'s device;
-    the legacy path also takes a list. ``inp`` may instead be a :class:`GroupedTensor`.
+    the legacy path also takes a list. Negative splits or splits summing past the input's rows
+    are an error: the legacy path raises, the device path (which cannot look without a sync)
+    counts the forward in the device buffer ``invalid_splits`` (TEGroupedMLP reports it to the
+    step runners, which refuse the step). ``inp`` may instead be a :class:`GroupedTensor`.
     Weights are cast to ``inp``'s dtype when they differ (gradients flow back through the
     cast, as in TE).
     """
@@ -294,6 +298,10 @@ class GroupedLinear(nn.Module):
                 else [(f"{name}{i}", shape) for i in range(num_gemms)]
             ):
                 self.register_parameter(key, nn.Parameter(torch.empty(full, **kw)))
+        # Device counter of forwards whose m_splits were negative or summed past the input's
+        # rows (the device path cannot raise without a sync; the legacy path raises).
+        zero = torch.zeros((), dtype=torch.int64, device=device)
+        self.register_buffer("invalid_splits", zero, persistent=False)
         self.reset_parameters()
 
     # ----------------------------------------------------------------------------- parameters
@@ -381,6 +389,8 @@ class GroupedLinear(nn.Module):
                     raise ValueError(f"m_splits has {m_splits.numel()} entries, expected "
                                      f"num_gemms={self.num_gemms}")  # fmt: skip
                 offsets_E = offsets_from_splits(m_splits, rows)
+                bad = splits_are_invalid(m_splits, rows).to(self.invalid_splits.device)
+                self.invalid_splits.add_(bad)
             self._check_device_path(dtype)
             y_TO = _GroupedLinearFn.apply(x_TI.contiguous(), offsets_E, self.fp8_recipe,
                                           len(weights), *weights, *add_biases)  # fmt: skip

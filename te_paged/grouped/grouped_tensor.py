@@ -62,11 +62,19 @@ def _check_splits(split_sizes: object, device: torch.device, name: str = "split_
 def offsets_from_splits(split_sizes_E: torch.Tensor, max_rows: int) -> torch.Tensor:
     """int32 cumulative group ends ``[E]``, computed on the device (no host read).
 
-    Ends are clamped to ``max_rows``: a split sum beyond the buffer (over-budget routing, which
-    the dispatcher flags on the device) then can never make a grouped GEMM read or write past
-    the buffer. Split sizes must be non-negative.
+    Negative sizes count as 0 and ends are clamped to ``max_rows``, so invalid counts can never
+    make a grouped GEMM read or write past the buffer, or see decreasing offsets. Such counts are
+    an error that :func:`invalid_splits` detects, on the device, for the caller to count: the
+    clamping only keeps the kernels in bounds until the step is refused.
     """
-    return split_sizes_E.cumsum(0).clamp_(max=max_rows).to(torch.int32)
+    return split_sizes_E.clamp(min=0).cumsum(0).clamp_(max=max_rows).to(torch.int32)
+
+
+def splits_are_invalid(split_sizes_E: torch.Tensor, max_rows: int) -> torch.Tensor:
+    """int64 0-dim, 1 if any size is negative or they sum past ``max_rows``, else 0 (on the
+    device, no host read): what the legacy path raises ``ValueError`` for."""
+    bad = (split_sizes_E < 0).any() | (split_sizes_E.sum() > max_rows)
+    return bad.to(torch.int64)
 
 
 def row_mask_from_offsets(offsets_E: torch.Tensor, max_rows: int) -> torch.Tensor:

@@ -28,13 +28,24 @@ def triton_available() -> tuple[bool, str]:
 def resolve_backend(backend: KernelBackend | str, device: torch.device) -> KernelBackend:
     """Pick the concrete backend for pools on ``device``.
 
-    ``auto`` is Triton on CUDA when Triton imports, else the torch reference. ``triton`` on a CPU
-    device needs Triton's interpreter (``TRITON_INTERPRET=1``, read here and nowhere else).
+    ``auto`` is the torch reference on CPU and Triton on CUDA; on CUDA without Triton it raises
+    rather than fall back to the reference, which reads every count on the host (a sync per
+    stash, no CUDA-graph capture): ask for ``torch`` explicitly to accept that. ``triton`` on a
+    CPU device needs Triton's interpreter (``TRITON_INTERPRET=1``, read here and nowhere else).
     """
     backend = KernelBackend(backend)
     ok, reason = triton_available()
     if backend is KernelBackend.AUTO:
-        return KernelBackend.TRITON if device.type == "cuda" and ok else KernelBackend.TORCH
+        if device.type != "cuda":
+            return KernelBackend.TORCH
+        if not ok:
+            raise ValueError(
+                f"moe_paged_stash_kernel_backend='auto' on {device} needs the Triton kernels, "
+                f"but {reason}. Install it, or set moe_paged_stash_kernel_backend='torch' to "
+                "accept the reference kernels, which read token counts on the host (a "
+                "synchronisation per stash; no CUDA-graph capture)"
+            )
+        return KernelBackend.TRITON
     if backend is KernelBackend.TRITON:
         if not ok:
             raise ValueError(f"moe_paged_stash_kernel_backend='triton' but {reason}")

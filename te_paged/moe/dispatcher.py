@@ -155,7 +155,9 @@ class StaticBudgetDispatcher(nn.Module):
       static dispatch);
     * ``peak_pair_tokens``: the most assignments this rank wanted to send to one rank, to
       compare with ``pair_capacity`` (host int ``C``); :meth:`fitting_capacity_factor` turns
-      it into the smallest capacity factor that would have fitted.
+      it into the smallest capacity factor that would have fitted;
+    * ``invalid_indices``: dispatches with an expert id outside ``[0, num_moe_experts)`` (those
+      assignments are dropped; the runner refuses the step).
     """
 
     def __init__(
@@ -199,7 +201,9 @@ class StaticBudgetDispatcher(nn.Module):
         self.budget_tokens = 0
         self.pair_capacity = 0
         self.last_num_tokens = 0
-        for name in ("over_budget", "dropped_tokens", "peak_tokens", "peak_pair_tokens"):
+        counters = ("over_budget", "dropped_tokens", "peak_tokens", "peak_pair_tokens",
+                    "invalid_indices")  # fmt: skip
+        for name in counters:
             zero = torch.zeros((), dtype=torch.int64, device=device)
             self.register_buffer(name, zero, persistent=False)
 
@@ -233,7 +237,8 @@ class StaticBudgetDispatcher(nn.Module):
 
     def reset_flags(self) -> None:
         """Zero the device counters in place (allocation-free, sync-free)."""
-        for t in (self.over_budget, self.dropped_tokens, self.peak_tokens, self.peak_pair_tokens):
+        for t in (self.over_budget, self.dropped_tokens, self.peak_tokens, self.peak_pair_tokens,
+                  self.invalid_indices):  # fmt: skip
             t.zero_()
 
     def fitting_capacity_factor(self, num_tokens: int, peak_pair_tokens: int) -> float:
@@ -295,11 +300,17 @@ class StaticBudgetDispatcher(nn.Module):
         hidden, p, local = x_NH.shape[1], self.ep_size, self.num_local_experts
         a, dev = n * k, x_NH.device
         idx_A = indices_NK.reshape(a).to(torch.int64)
+        # An expert id out of range is an error the host cannot see without a sync: count it
+        # (the runner refuses the step) and drop the assignment, so nothing reads out of bounds.
+        bad_A = (idx_A < 0) | (idx_A >= self.config.num_moe_experts)
+        self.invalid_indices.add_(bad_A.any().to(torch.int64))
+        idx_A = idx_A.masked_fill(bad_A, 0)
         dest_A = torch.div(idx_A, local, rounding_mode="floor")
         local_A = idx_A - dest_A * local
         # Position of each assignment among this rank's assignments to the same destination,
         # in (n, k) order. e.g. P=2, dest = [1, 0, 1, 1] → position [0, 0, 1, 2].
-        hit_AP = (dest_A.unsqueeze(1) == torch.arange(p, device=dev)).to(torch.int64)
+        hit_AP = (dest_A.unsqueeze(1) == torch.arange(p, device=dev)) & ~bad_A.unsqueeze(1)
+        hit_AP = hit_AP.to(torch.int64)
         cum_AP = hit_AP.cumsum(0)
         pos_A = cum_AP.gather(1, dest_A.unsqueeze(1)).squeeze(1) - 1
         demand_P = cum_AP[-1]
@@ -312,10 +323,10 @@ class StaticBudgetDispatcher(nn.Module):
             self.pair_capacity = cap
         self.last_num_tokens = n
         rows = p * cap
-        keep_A = pos_A < cap
+        keep_A = (pos_A < cap) & ~bad_A
         slot_A = torch.where(keep_A, dest_A * cap + pos_A, rows)
         if not dropless:
-            dropped = a - keep_A.sum()
+            dropped = a - keep_A.sum() - bad_A.sum()  # invalid ones are counted apart
             self.dropped_tokens.add_(dropped)
             self.over_budget.add_((dropped > 0).to(torch.int64))
         torch.maximum(self.peak_pair_tokens, demand_P.max(), out=self.peak_pair_tokens)

@@ -37,7 +37,9 @@ from te_paged.grouped.grouped_tensor import (
     group_ids_from_offsets,
     offsets_from_splits,
     row_mask_from_offsets,
+    splits_are_invalid,
 )
+from te_paged.kernels.layout import Flag
 from te_paged.markers import mark_grouped_tensor
 from te_paged.moe.config_adapter import as_moe_config
 from te_paged.moe.participant import PagedStashParticipant
@@ -144,6 +146,10 @@ class TEGroupedMLP(nn.Module, PagedStashParticipant):
         """The runner protocol (:class:`~te_paged.moe.participant.PagedStashParticipant`)."""
         return () if self.manager is None else (self.manager,)
 
+    def invalid_count_flags(self) -> tuple[torch.Tensor, ...]:
+        """The runner protocol: the linears' counters of invalid ``tokens_per_expert``."""
+        return (self.linear_fc1.invalid_splits, self.linear_fc2.invalid_splits)
+
     def backward_dw(self) -> None:
         """Megatron's delayed weight-gradient hook. te_paged computes weight gradients in the
         regular backward pass, so there is nothing left to do here."""
@@ -188,6 +194,8 @@ class TEGroupedMLP(nn.Module, PagedStashParticipant):
         offsets_E = offsets_from_splits(splits_E, rows)  # clamped to the buffer
         # Unclamped: a count over the static budget must reach the stash, which flags it.
         num_tokens = splits_E.sum().reshape(1)
+        if self.manager is not None:  # also in the manager's stats() (the linears count too)
+            self.manager.flags[Flag.INVALID] += splits_are_invalid(splits_E, rows)
         with self._stash_scope(rows, num_tokens):
             if self.config.use_transformer_engine_op_fuser:
                 from te_paged.moe.fused_mlp import fused_grouped_mlp

@@ -14,6 +14,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterable
 
+import torch
 from torch import nn
 
 from te_paged.moe.dispatcher import StaticBudgetDispatcher
@@ -33,18 +34,28 @@ class PagedStashParticipant(abc.ABC):  # noqa: B024 - a marker protocol with def
         """The static-budget dispatchers this module routes through."""
         return ()
 
+    def invalid_count_flags(self) -> tuple[torch.Tensor, ...]:
+        """Device counters (int64 0-dim) of inputs this module found invalid without a host read
+        (token counts that are negative or exceed the buffer). The runner zeroes them at each
+        step boundary and refuses a step in which any is non-zero."""
+        return ()
+
 
 class Participants:
-    """The distinct managers and dispatchers of a model, in module order."""
+    """The distinct managers, dispatchers and invalid-count flags of a model, in module order."""
 
     def __init__(
-        self, managers: Iterable[PagedStashManager], dispatchers: Iterable[StaticBudgetDispatcher]
+        self,
+        managers: Iterable[PagedStashManager],
+        dispatchers: Iterable[StaticBudgetDispatcher],
+        invalid_flags: Iterable[torch.Tensor] = (),
     ) -> None:
         self.managers = list({id(m): m for m in managers}.values())
         self.dispatchers = list({id(d): d for d in dispatchers}.values())
+        self.invalid_flags = list({id(t): t for t in invalid_flags}.values())
 
     def __bool__(self) -> bool:
-        return bool(self.managers or self.dispatchers)
+        return bool(self.managers or self.dispatchers or self.invalid_flags)
 
 
 def find_participants(models: nn.Module | Iterable[nn.Module]) -> Participants:
@@ -53,9 +64,11 @@ def find_participants(models: nn.Module | Iterable[nn.Module]) -> Participants:
     chunks = [models] if isinstance(models, nn.Module) else list(models)
     managers: list[PagedStashManager] = []
     dispatchers: list[StaticBudgetDispatcher] = []
+    flags: list[torch.Tensor] = []
     for chunk in chunks:
         for module in chunk.modules():
             if isinstance(module, PagedStashParticipant):
                 managers.extend(module.paged_stash_managers())
                 dispatchers.extend(module.budget_dispatchers())
-    return Participants(managers, dispatchers)
+                flags.extend(module.invalid_count_flags())
+    return Participants(managers, dispatchers, flags)

@@ -2,10 +2,18 @@
 
 from te_paged.runtime.runner import (
     FallbackLimitError,
+    InvalidCountsError,
     PagedStashRunner,
     StepDesyncError,
     StepRecord,
     StepState,
 )
 
-__all__ = ["FallbackLimitError", "PagedStashRunner", "StepDesyncError", "StepRecord", "StepState"]
+__all__ = [
+    "FallbackLimitError",
+    "InvalidCountsError",
+    "PagedStashRunner",
+    "StepDesyncError",
+    "StepRecord",
+    "StepState",
+]

@@ -37,6 +37,7 @@ a row the next one raises :class:`FallbackLimitError` with the factors that woul
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -49,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from te_paged.config.checks import require_int
 from te_paged.kernels.layout import Flag
 from te_paged.moe import MoELayer, StaticBudgetDispatcher
 from te_paged.moe.participant import Participants, find_participants
@@ -56,7 +58,14 @@ from te_paged.runtime.memory import measure_peak
 from te_paged.runtime.planner import RoutingProfile
 from te_paged.stash import PagedStashManager
 
-__all__ = ["FallbackLimitError", "PagedStashRunner", "StepDesyncError", "StepRecord", "StepState"]
+__all__ = [
+    "FallbackLimitError",
+    "InvalidCountsError",
+    "PagedStashRunner",
+    "StepDesyncError",
+    "StepRecord",
+    "StepState",
+]
 
 _MARGIN = 1.05  # headroom on suggested factors, so a repeat of the same peak fits
 
@@ -94,6 +103,11 @@ class StepDesyncError(RuntimeError):
     """The ranks reduced flags of different steps: one of them skipped or repeated a step."""
 
 
+class InvalidCountsError(RuntimeError):
+    """A rank's layers saw token counts or expert ids that cannot be right (not an overflow: a
+    rerun would see them again)."""
+
+
 @dataclasses.dataclass
 class StepState:
     """What a step consumes that a rerun must give back: every random generator it draws from
@@ -116,6 +130,8 @@ class PagedStashRunner:
     (``None``: the whole world). ``before_rerun`` is called right before a rerun, after the
     runner restored the random generators and zeroed ``param.grad`` (e.g. to zero a
     framework's own gradient buffers, or to tell a memory tracker the modules run again).
+    ``records`` keeps the last ``keep_records`` :class:`StepRecord` s; ``on_record`` is called
+    with each.
     """
 
     def __init__(
@@ -129,7 +145,10 @@ class PagedStashRunner:
         measure_fallback_memory: bool = True,
         record_routing: bool = False,
         before_rerun: Callable[[], None] | None = None,
+        keep_records: int = 1000,
+        on_record: Callable[[StepRecord], None] | None = None,
     ) -> None:
+        require_int("keep_records", keep_records, minimum=0)
         if max_consecutive_fallbacks < 1:
             raise ValueError(
                 f"max_consecutive_fallbacks must be >= 1, got {max_consecutive_fallbacks}"
@@ -138,7 +157,9 @@ class PagedStashRunner:
         self.chunks = [model] if isinstance(model, nn.Module) else list(model)
         found = find_participants(self.chunks)
         extra = [] if manager is None else [manager]
-        self.participants = Participants([*extra, *found.managers], found.dispatchers)
+        self.participants = Participants(
+            [*extra, *found.managers], found.dispatchers, found.invalid_flags
+        )
         if not self.participants:
             raise ValueError(
                 "model has no paged-stash participant (no TEGroupedMLP, MoELayer or other "
@@ -151,7 +172,10 @@ class PagedStashRunner:
         self.consecutive_fallbacks = 0
         self.before_rerun = before_rerun
         self.step_index = 0
-        self.records: list[StepRecord] = []
+        #: The last ``keep_records`` records (older ones are dropped: nothing grows per step);
+        #: ``on_record`` sees every one, e.g. to append ``record.to_json()`` to a log file.
+        self.records: collections.deque[StepRecord] = collections.deque(maxlen=keep_records)
+        self.on_record = on_record
         self.record_routing = record_routing
         self.layers = [m for c in self.chunks for m in c.modules() if isinstance(m, MoELayer)]
         self._route_calls: list[tuple[int, torch.Tensor]] = []  # (layer, tokens_per_expert_E)
@@ -182,7 +206,9 @@ class PagedStashRunner:
     def _device(self) -> torch.device:
         if self.managers:
             return self.managers[0].device
-        return self.dispatchers[0].over_budget.device
+        if self.dispatchers:
+            return self.dispatchers[0].over_budget.device
+        return self.participants.invalid_flags[0].device
 
     # ---------------------------------------------------------------------------- collective
 
@@ -192,30 +218,37 @@ class PagedStashRunner:
         return dist.get_rank(self.group), dist.get_world_size(self.group)
 
     def _local_stats(self, device: torch.device) -> tuple[torch.Tensor, list[str]]:
-        """Device vector: [overflow, overbudget, spill, step, peak_tokens, peak_pair, hwm per
-        key...]."""
+        """Device vector: [overflow, overbudget, spill] then this rank's slot: [step, invalid,
+        peak_tokens, peak_pair, hwm per key...]."""
         zero = torch.zeros((), dtype=torch.int64, device=device)
-        overflow = spill = zero
+        overflow = spill = invalid = zero
         hwm: dict[str, torch.Tensor] = {}
         for manager in self.managers:
             overflow = overflow + (manager.flags[Flag.OVERFLOW] > 0).long()
             spill = spill + (manager.flags[Flag.HOST_SPILL] > 0).long()
+            invalid = invalid + (manager.flags[Flag.INVALID] > 0).long()
             for key, buf in manager.buffers.items():
                 h = buf.state[2].to(device)  # State.HWM
                 hwm[str(key)] = torch.maximum(hwm[str(key)], h) if str(key) in hwm else h
         over = peak = peak_pair = zero
         for d in self.dispatchers:
             over = over + (d.over_budget > 0).long().to(device)
+            invalid = invalid + (d.invalid_indices > 0).long().to(device)
             peak = torch.maximum(peak, d.peak_tokens.to(device).long())
             peak_pair = torch.maximum(peak_pair, d.peak_pair_tokens.to(device).long())
+        for flag in self.participants.invalid_flags:
+            invalid = invalid + (flag > 0).long().to(device)
         flags = torch.stack([(overflow > 0).long(), (over > 0).long(), (spill > 0).long()])
         step = torch.full((1,), self.step_index, dtype=torch.int64, device=device)
-        stats = [step, peak.reshape(1), peak_pair.reshape(1), *(h.reshape(1) for h in hwm.values())]
-        return torch.cat([flags, *stats]), list(hwm)
+        mine = [step, (invalid > 0).long().reshape(1), peak.reshape(1), peak_pair.reshape(1)]
+        mine += [h.reshape(1) for h in hwm.values()]
+        return torch.cat([flags, *mine]), list(hwm)
 
     def _reduce(self) -> tuple[list[int], list[list[int]], list[str]]:
         """One ``all_reduce(SUM)``: three flags summed into rank counts, then one slot per rank
-        (zero elsewhere, so the sum is a gather) with its step index and statistics."""
+        (zero elsewhere, so the sum is a gather) with its step index and statistics. Returns
+        the flags, each rank's slot after the step index ([invalid, peak, pair, hwm...]) and
+        the pool keys."""
         device = self._device()
         local, keys = self._local_stats(device)
         rank, world = self._world()
@@ -230,6 +263,14 @@ class PagedStashRunner:
         values = vec.tolist()  # the step's one device -> host read
         per_rank = [values[3 + r * stats_len : 3 + (r + 1) * stats_len] for r in range(world)]
         self._check_step_indices([r[0] for r in per_rank], rank)
+        invalid = [r for r, row in enumerate(per_rank) if row[1]]
+        if invalid:
+            raise InvalidCountsError(
+                f"rank {rank}: rank(s) {invalid} saw token counts that cannot be right "
+                "(tokens_per_expert negative or summing past the expert buffer, an expert id "
+                "out of range, or a stash record popped twice): the step's result is wrong and "
+                "a rerun would repeat it. Check what the dispatcher hands the experts"
+            )
         return values[:3], [r[1:] for r in per_rank], keys
 
     def _check_step_indices(self, steps: list[int], rank: int) -> None:
@@ -274,6 +315,8 @@ class PagedStashRunner:
             manager.reset()
         for d in self.dispatchers:
             d.reset_flags()
+        for flag in self.participants.invalid_flags:
+            flag.zero_()
         self._route_calls.clear()
 
     def _budget(self) -> tuple[int, int]:
@@ -301,9 +344,9 @@ class PagedStashRunner:
         result = step_fn()
         (overflow, overbudget, spill), per_rank, keys = self._reduce()
         budget, balanced = self._budget()
-        peak_tokens = max((r[0] for r in per_rank), default=0)
-        peak_pair = max((r[1] for r in per_rank), default=0)
-        hwm = {k: max(r[2 + i] for r in per_rank) for i, k in enumerate(keys)}
+        peak_tokens = max((r[1] for r in per_rank), default=0)
+        peak_pair = max((r[2] for r in per_rank), default=0)
+        hwm = {k: max(r[3 + i] for r in per_rank) for i, k in enumerate(keys)}
         record = StepRecord(
             step=self.step_index,
             attempt=1,
@@ -345,6 +388,8 @@ class PagedStashRunner:
             self._gather_routing()
         self.step_index += 1
         self.records.append(record)
+        if self.on_record is not None:
+            self.on_record(record)
         return result, record
 
     def _stash_enabled(self) -> bool:

@@ -91,10 +91,11 @@ class MegatronPagedStashRunner(PagedStashRunner):
 
     ``MegatronPagedStashRunner(model, optimizer=None, config=None, *, forward_backward_func=None,
     max_consecutive_fallbacks=3, grow_pool=False, measure_fallback_memory=False,
-    before_rerun=None)``: ``model`` is the list of model chunks (Megatron DDP wrappers, or bare
-    modules) or one chunk; ``optimizer`` Megatron's optimizer (its gradients are zeroed before a
-    rerun); ``config`` the model's ``TransformerConfig`` (default: the first chunk's).
-    ``before_rerun`` runs after everything above was restored and zeroed.
+    before_rerun=None, keep_records=1000, on_record=None)``: ``model`` is the list of model
+    chunks (Megatron DDP wrappers, or bare modules) or one chunk; ``optimizer`` Megatron's
+    optimizer (its gradients are zeroed before a rerun); ``config`` the model's
+    ``TransformerConfig`` (default: the first chunk's). ``before_rerun`` runs after everything
+    above was restored and zeroed; ``records``/``on_record`` as in :class:`PagedStashRunner`.
     """
 
     def __init__(
@@ -108,6 +109,8 @@ class MegatronPagedStashRunner(PagedStashRunner):
         grow_pool: bool = False,
         measure_fallback_memory: bool = False,
         before_rerun: Callable[[], None] | None = None,
+        keep_records: int = 1000,
+        on_record: Callable[[StepRecord], None] | None = None,
     ) -> None:
         super().__init__(
             model,
@@ -116,6 +119,8 @@ class MegatronPagedStashRunner(PagedStashRunner):
             grow_pool=grow_pool,
             measure_fallback_memory=measure_fallback_memory,
             before_rerun=before_rerun,
+            keep_records=keep_records,
+            on_record=on_record,
         )
         from megatron.core.utils import get_model_config
 

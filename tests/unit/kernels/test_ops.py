@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -64,3 +65,17 @@ def test_a_function_mode_gets_the_op() -> None:
     with _PassThrough():
         assert not _direct(KernelBackend.TORCH, torch.zeros(2))
     _round_trip(_PassThrough())
+
+
+def test_auto_on_cuda_without_triton_refuses_the_syncing_fallback(monkeypatch) -> None:
+    # Before: `auto` silently picked the reference kernels, which read counts on the host, so
+    # sync-freedom and graph capture broke with no word.
+    from te_paged.kernels import ops
+
+    monkeypatch.setattr(ops, "triton_available", lambda: (False, "triton is not installed"))
+    with pytest.raises(ValueError, match="set moe_paged_stash_kernel_backend='torch' to accept"):
+        ops.resolve_backend("auto", torch.device("cuda"))
+    assert ops.resolve_backend("auto", torch.device("cpu")) is ops.KernelBackend.TORCH
+    assert ops.resolve_backend("torch", torch.device("cuda")) is ops.KernelBackend.TORCH
+    monkeypatch.setattr(ops, "triton_available", lambda: (True, ""))
+    assert ops.resolve_backend("auto", torch.device("cuda")) is ops.KernelBackend.TRITON

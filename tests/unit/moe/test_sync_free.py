@@ -56,3 +56,24 @@ def test_guard_sees_backward_too() -> None:
     x = torch.ones(3, requires_grad=True)
     with pytest.raises(AssertionError, match="host read"), NoHostReads():
         ReadsInBackward.apply(x).sum().backward()
+
+
+@pytest.mark.parametrize("wrapper", ["triton_stash_copy", "triton_stash_pop"])
+def test_mutation_a_host_read_inside_a_kernel_wrapper_fails_the_guard(monkeypatch, wrapper):
+    # The wrappers run inside te_paged's ops, where a dispatch mode is off unless it re-enters
+    # itself: before, a .item() added here passed the sync-freedom test.
+    from te_paged.kernels import triton_stash
+
+    original = getattr(triton_stash, wrapper)
+
+    def reads_the_count(*args):
+        args[0].sum().item()  # one host read, as a careless edit would add
+        return original(*args)
+
+    monkeypatch.setattr(triton_stash, wrapper, reads_the_count)
+    cfg = config(moe_paged_stash_kernel_backend="triton", moe_paged_stash=True)
+    manager, layers = build(cfg)
+    run_step(manager, layers, cfg, 0)
+    manager.reset()
+    with pytest.raises(AssertionError, match="host read"), NoHostReads():
+        run_step(manager, layers, cfg, 1)

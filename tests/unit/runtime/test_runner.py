@@ -26,6 +26,7 @@ class FakeDispatcher:
         self.over_budget = torch.zeros((), dtype=torch.int64)
         self.peak_tokens = torch.zeros((), dtype=torch.int64)
         self.peak_pair_tokens = torch.zeros((), dtype=torch.int64)
+        self.invalid_indices = torch.zeros((), dtype=torch.int64)
         self.budget_tokens, self.last_num_tokens = ROWS, ROWS // 4  # top-2: 32 balanced rows
         self.config = types.SimpleNamespace(moe_router_topk=2)
         self.dropless = False
@@ -40,6 +41,7 @@ class FakeDispatcher:
             self.dropless = False
 
     def reset_flags(self) -> None:
+        self.invalid_indices.zero_()
         self.over_budget.zero_()
         self.peak_tokens.zero_()
         self.peak_pair_tokens.zero_()
@@ -339,3 +341,28 @@ def test_routing_profile_has_one_step_per_forward_pass() -> None:
     assert len(seen) == 2 * cfg.layers and len(profile.tokens_by_source) == 2
     for i, step in enumerate(profile.tokens_by_source):  # calls alternate layer 0, 1 per pass
         assert step == [[seen[2 * i + layer].tolist()] for layer in range(cfg.layers)]
+
+
+def test_records_are_bounded_and_streamed() -> None:
+    model, manager = make()
+    seen = []
+    runner = PagedStashRunner(model, manager, keep_records=2, on_record=seen.append)
+    for step in range(5):
+        runner.step(step_fn(model, step))
+    assert [r.step for r in runner.records] == [3, 4]  # the last two; nothing grows per step
+    assert [r.step for r in seen] == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="keep_records must be >= 0"):
+        PagedStashRunner(model, manager, keep_records=-1)
+
+
+def test_fallback_limit_names_only_the_factors_that_would_fit() -> None:
+    # Over budget alone: there is no pool factor to suggest (before: "... to >= None").
+    model, manager = make()
+    runner = PagedStashRunner(model, manager, max_consecutive_fallbacks=1)
+    model[0].dispatcher.force_over_budget = True
+    runner.step(step_fn(model, 0))
+    with pytest.raises(FallbackLimitError) as caught:
+        runner.step(step_fn(model, 1))
+    message = str(caught.value)
+    assert "moe_expert_rank_capacity_factor to >= " in message and "None" not in message
+    assert "buffer_size_factor" not in message
