@@ -366,10 +366,17 @@ class PagedStashManager:
         if self.mode is StashMode.CAPTURE:
             return self._capture_pack(t, key, kind, max_rows, rows_RH, scope)
         buffer = self.buffers.get(key)
+        if buffer is None and key in self._peaks:
+            raise RuntimeError(
+                "the pools were freed by release() and not allocated again: call reset() at "
+                "the step boundary before the next forward (it reallocates them)"
+            )
         if buffer is None:
             raise RuntimeError(
-                f"saved tensor with key {key} was not seen during the capture step; known keys: "
-                f"{sorted(map(str, self.buffers))}. Call release() and run a capture step again."
+                f"saved tensor with key {key} was not seen during the capture step (keys: "
+                f"{sorted(map(str, self._peaks))}): every (dtype, hidden) the layers stash must "
+                "appear in the first step, which sizes the pools; use a new manager for a model "
+                "whose stashed tensors change"
             )
         pages_M = torch.empty(-(-max_rows // self.page_size), dtype=torch.int32, device=t.device)
         meta = torch.empty(META_LEN, dtype=torch.int64, device=t.device)
