@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 
@@ -12,6 +13,7 @@ import pytest
 from te_paged import cli
 from te_paged.runtime import ab as ab_module
 from te_paged.runtime.planner import RoutingProfile
+from te_paged.tools import ab_command
 
 from .launch import REPO_ROOT, torchrun
 
@@ -125,7 +127,7 @@ def test_ab_under_torchrun_uses_the_launchers_ranks(tmp_path) -> None:
     assert all(all(r["grads_equal"]) for r in data["ranks"])
 
 
-def test_ab_exit_status_is_1_when_on_and_off_differ(monkeypatch, tmp_path, capsys) -> None:
+def test_ab_exit_status_is_1_when_on_and_off_differ(monkeypatch, capsys) -> None:
     real = ab_module.run_ab
 
     def broken(*args, **kwargs):
@@ -137,8 +139,7 @@ def test_ab_exit_status_is_1_when_on_and_off_differ(monkeypatch, tmp_path, capsy
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(cli._free_port()))
-    monkeypatch.setenv("TE_PAGED_AB_OUT", str(tmp_path / "r.pkl"))
+    monkeypatch.setenv("MASTER_PORT", str(ab_command._free_port()))
     assert cli.main(["ab", *SMALL]) == 1
     assert "DIFFER" in capsys.readouterr().out
 
@@ -207,10 +208,94 @@ def test_bench_writes_reports_with_the_command(tmp_path) -> None:
     assert "ON / OFF" in (tmp_path / reports[1]).read_text()
 
 
-@pytest.mark.parametrize("bad", [["--nproc", "0"]])
-def test_ab_rejects_bad_arguments(bad) -> None:
-    proc = te_paged("ab", *bad)
-    assert proc.returncode == 2 and "--nproc must be >= 1" in proc.stderr
+BAD_ARGUMENTS = [
+    (["ab", "--nproc", "3"], "8 experts do not split evenly over 3 ranks"),
+    (["ab", "--nproc", "0"], "argument --nproc: must be >= 1, got 0"),
+    (["ab", "--layers", "0"], "argument --layers: must be >= 1, got 0"),
+    (["ab", "--steps", "0"], "argument --steps: must be >= 1"),
+    (["ab", "--tokens", "abc"], "argument --tokens: expected an integer, got 'abc'"),
+    (["ab", "--capacity-factor", "-2"], "argument --capacity-factor: must be a finite number > 0"),
+    (["ab", "--buffer-factor-cuda", "nan"], "argument --buffer-factor-cuda: must be a finite"),
+    (["ab", "--buffer-factor-cpu", "-1"], "argument --buffer-factor-cpu: must be a finite"),
+    (["ab", "--topk", "9"], "moe_router_topk=9 exceeds num_moe_experts=8"),
+    (["ab", "--fp8", "mxfp8", "--hidden", "48"], "multiple of 32"),
+    (["ab", "--timeout", "0"], "argument --timeout: must be a finite number >= 1"),
+    (["ab", "--dropout", "0.1"], "--dropout: only with --engine megatron"),
+    (["ab", "--engine", "megatron", "--ep", "3"], "--ep 3 does not divide the 4 ranks"),
+    (["ab", "--engine", "megatron", "--dropout", "1"], "argument --dropout: must be a finite"),
+    (["ab", "--json", "/nonexistent/ab.json"], "--json /nonexistent/ab.json: the directory"),
+    (["ab", "--json", "."], "--json .: is a directory"),
+    (["plan"], "give exactly one of --profile or --model"),
+    (["plan", "--model", "deepseek-v3", "--ep", "0"], "argument --ep: must be >= 1, got 0"),
+    (["plan", "--model", "deepseek-v3", "--ep", "7"], "--ep 7 does not divide deepseek-v3's 256"),
+    (["plan", "--model", "deepseek-v3", "--seq", "-1"], "argument --seq: must be >= 1, got -1"),
+    (["plan", "--model", "deepseek-v3", "--capacity-factor", "-2"], "--capacity-factor: must"),
+    (["plan", "--model", "deepseek-v3", "--buffer-factor", "nan"], "--buffer-factor: must be"),
+    (["plan", "--model", "deepseek-v3", "--dtype-bytes", "0"], "invalid choice: 0"),
+    (["plan", "--profile", "/nonexistent/p.json"], "--profile /nonexistent/p.json: no such file"),
+    (["plan", "--profile", "x.json", "--target-rerun-rate", "1"], "--target-rerun-rate: must"),
+    (["bench", "--repeats", "0"], "argument --repeats: must be >= 1"),
+    (["bench", "--hidden-sizes", "0"], "argument --hidden-sizes: must be >= 1"),
+    (["bench", "--device", "cuda"], "--device cuda but CUDA is not available"),
+]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"), BAD_ARGUMENTS, ids=[" ".join(a) for a, _ in BAD_ARGUMENTS]
+)
+def test_every_bad_argument_is_one_line_and_exit_status_2(args, message, capsys) -> None:
+    # Before: 33 of these printed a Python traceback and 8 were accepted with nonsense output.
+    try:
+        status = cli.main(args)
+    except SystemExit as e:  # argparse's own errors
+        status = e.code
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert message in err, err
+
+
+def test_a_malformed_profile_is_a_clean_error(tmp_path, capsys) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"num_experts": 4}')
+    assert cli.main(["plan", "--profile", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"--profile {bad}: not a routing profile" in err and len(err.splitlines()) == 1
+
+
+def test_outputs_are_checked_before_the_run_and_never_overwritten(
+    tmp_path, capsys, monkeypatch
+) -> None:
+    existing = tmp_path / "ab.json"
+    existing.write_text("keep me")
+    assert cli.main(["ab", *SMALL, "--json", str(existing)]) == 2
+    assert "exists; pass --force to overwrite it" in capsys.readouterr().err
+    assert existing.read_text() == "keep me"  # and no rank started: this took no time
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access  # (the tests may run as root, who may write anywhere)
+    monkeypatch.setattr(os, "access", lambda p, mode: p != locked and real_access(p, mode))
+    assert cli.main(["ab", *SMALL, "--plot", str(locked / "p.png")]) == 2
+    assert f"the directory {locked} is not writable" in capsys.readouterr().err
+    assert cli.main(["bench", "--out-dir", str(locked / "reports")]) == 2
+    assert f"{locked} is not a writable directory" in capsys.readouterr().err
+
+
+def test_bad_arguments_print_no_traceback_from_a_real_process() -> None:
+    for args, message in (BAD_ARGUMENTS[0], BAD_ARGUMENTS[2], BAD_ARGUMENTS[23]):
+        proc = te_paged(*args)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert message in proc.stderr and not proc.stdout
+
+
+def test_a_runtime_failure_exits_3_with_one_line(monkeypatch, capsys) -> None:
+    def fails(*args, **kwargs):
+        raise RuntimeError("the pool caught fire\nsecond line")
+
+    monkeypatch.setattr(ab_command, "run_ab_command", fails)
+    assert cli.main(["ab", *SMALL]) == 3
+    err = capsys.readouterr().err
+    assert err == "te-paged ab: error: RuntimeError: the pool caught fire\n"
 
 
 def test_ab_engine_megatron_default_model_is_bitwise_and_saves_memory(tmp_path) -> None:
@@ -273,3 +358,43 @@ def test_ab_engine_megatron_without_megatron_exits_2_with_the_install_line(
     assert cli.main(["ab", "--engine", "megatron"]) == 2
     err = capsys.readouterr().err
     assert "pip install --no-deps megatron-core==0.16.1" in err and "Traceback" not in err
+
+
+def _rank_processes(parent) -> list:
+    """The spawned ranks of a ``te-paged ab`` process (not multiprocessing's resource tracker)."""
+    children = parent.children(recursive=False)
+    return [c for c in children if "resource_tracker" not in " ".join(c.cmdline())]
+
+
+def test_a_stopped_rank_ends_the_run_naming_it_and_leaves_no_process() -> None:
+    # Before: a rank that stopped (SIGSTOP) hung `te-paged ab` until its 10-minute timeout.
+    import signal
+    import time
+
+    import psutil
+
+    args = [*SMALL[:-4], "--steps", "1000", "--page-size", "8"]  # long enough to be caught
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "te_paged", "ab", "--nproc", "2", "--timeout", "8", *args],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        parent = psutil.Process(proc.pid)
+        deadline = time.monotonic() + 60
+        while len(_rank_processes(parent)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        ranks = _rank_processes(parent)
+        assert len(ranks) == 2, "the ranks did not start"
+        time.sleep(6)  # into the training steps
+        victim = ranks[1]
+        os.kill(victim.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        _, err = proc.communicate(timeout=90)
+        took = time.monotonic() - started
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 3, err[-3000:]
+    assert f"(pid {victim.pid}) is stopped, after OFF step" in err, err[-3000:]
+    assert "Traceback" not in err and took < 60, (took, err[-3000:])
+    assert not any(psutil.pid_exists(r.pid) and r.status() != "zombie" for r in ranks)

@@ -40,6 +40,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import datetime
 import functools
 import json
 import math
@@ -131,7 +132,8 @@ class PagedStashRunner:
     runner restored the random generators and zeroed ``param.grad`` (e.g. to zero a
     framework's own gradient buffers, or to tell a memory tracker the modules run again).
     ``records`` keeps the last ``keep_records`` :class:`StepRecord` s; ``on_record`` is called
-    with each.
+    with each. ``timeout`` bounds the wait for the step's flags (default: the process group's
+    timeout); past it, :class:`StepDesyncError`.
     """
 
     def __init__(
@@ -147,8 +149,12 @@ class PagedStashRunner:
         before_rerun: Callable[[], None] | None = None,
         keep_records: int = 1000,
         on_record: Callable[[StepRecord], None] | None = None,
+        timeout: datetime.timedelta | None = None,
     ) -> None:
         require_int("keep_records", keep_records, minimum=0)
+        if timeout is not None and not isinstance(timeout, datetime.timedelta):
+            raise TypeError(f"timeout must be a datetime.timedelta, got {timeout!r}")
+        self.timeout = timeout
         if max_consecutive_fallbacks < 1:
             raise ValueError(
                 f"max_consecutive_fallbacks must be >= 1, got {max_consecutive_fallbacks}"
@@ -259,7 +265,14 @@ class PagedStashRunner:
         if world > 1:
             if device.type == "cpu" and dist.get_backend(self.group) == "nccl":
                 raise RuntimeError("the NCCL group needs the manager on a CUDA device")
-            dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=self.group)
+            work = dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            try:
+                work.wait(self.timeout) if self.timeout is not None else work.wait()
+            except RuntimeError as e:
+                raise StepDesyncError(
+                    f"rank {rank}: the flags of step {self.step_index} were not reduced within "
+                    f"{self.timeout}: a rank stopped, died or skipped the step ({e})"
+                ) from e
         values = vec.tolist()  # the step's one device -> host read
         per_rank = [values[3 + r * stats_len : 3 + (r + 1) * stats_len] for r in range(world)]
         self._check_step_indices([r[0] for r in per_rank], rank)

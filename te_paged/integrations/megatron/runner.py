@@ -36,6 +36,7 @@ together). Importing this module does not import Megatron.
 from __future__ import annotations
 
 import copy
+import datetime
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -91,11 +92,12 @@ class MegatronPagedStashRunner(PagedStashRunner):
 
     ``MegatronPagedStashRunner(model, optimizer=None, config=None, *, forward_backward_func=None,
     max_consecutive_fallbacks=3, grow_pool=False, measure_fallback_memory=False,
-    before_rerun=None, keep_records=1000, on_record=None)``: ``model`` is the list of model
-    chunks (Megatron DDP wrappers, or bare modules) or one chunk; ``optimizer`` Megatron's
-    optimizer (its gradients are zeroed before a rerun); ``config`` the model's
+    before_rerun=None, keep_records=1000, on_record=None, timeout=None)``: ``model`` is the list
+    of model chunks (Megatron DDP wrappers, or bare modules) or one chunk; ``optimizer``
+    Megatron's optimizer (its gradients are zeroed before a rerun); ``config`` the model's
     ``TransformerConfig`` (default: the first chunk's). ``before_rerun`` runs after everything
-    above was restored and zeroed; ``records``/``on_record`` as in :class:`PagedStashRunner`.
+    above was restored and zeroed; ``records``, ``on_record`` and ``timeout`` as in
+    :class:`PagedStashRunner`.
     """
 
     def __init__(
@@ -111,6 +113,7 @@ class MegatronPagedStashRunner(PagedStashRunner):
         before_rerun: Callable[[], None] | None = None,
         keep_records: int = 1000,
         on_record: Callable[[StepRecord], None] | None = None,
+        timeout: datetime.timedelta | None = None,
     ) -> None:
         super().__init__(
             model,
@@ -121,6 +124,7 @@ class MegatronPagedStashRunner(PagedStashRunner):
             before_rerun=before_rerun,
             keep_records=keep_records,
             on_record=on_record,
+            timeout=timeout,
         )
         from megatron.core.utils import get_model_config
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from te_paged.moe import PagedStashParticipant, TEGroupedMLP
-from te_paged.runtime import FallbackLimitError, PagedStashRunner
+from te_paged.runtime import FallbackLimitError, PagedStashRunner, StepDesyncError
 from te_paged.stash import PagedStashManager
 
 from ..moe.harness import ROWS, config
@@ -366,3 +366,25 @@ def test_fallback_limit_names_only_the_factors_that_would_fit() -> None:
     message = str(caught.value)
     assert "moe_expert_rank_capacity_factor to >= " in message and "None" not in message
     assert "buffer_size_factor" not in message
+
+
+def test_a_flags_reduction_that_times_out_raises_a_desync(monkeypatch) -> None:
+    # One rank of two never reaches the reduction: the wait for it is bounded by `timeout`.
+    import datetime
+
+    import torch.distributed as dist
+
+    class Stuck:
+        def wait(self, timeout=None):
+            assert timeout == datetime.timedelta(seconds=2)
+            raise RuntimeError("Timed out waiting 2000ms for recv operation to complete")
+
+    model, manager = make()
+    runner = PagedStashRunner(model, manager, timeout=datetime.timedelta(seconds=2))
+    monkeypatch.setattr(PagedStashRunner, "_world", lambda self: (0, 2))
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: Stuck())
+    with pytest.raises(StepDesyncError, match="flags of step 0 were not reduced within 0:00:02"):
+        runner.step(step_fn(model, 0))
+    with pytest.raises(TypeError, match=r"timeout must be a datetime\.timedelta"):
+        PagedStashRunner(model, manager, timeout=2)

@@ -1,0 +1,221 @@
+"""``te-paged ab``: checks, ranks (spawned, or the launcher's under ``torchrun``) and outputs.
+
+Exit status: 0 when ON and OFF are bitwise equal, 1 when they differ, 2 for a bad argument (one
+line, before any rank starts), 3 when the run fails (a rank errors, stalls or dies: one line
+naming it; ``--traceback`` adds the traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib.util
+import json
+import os
+import socket
+import sys
+
+from te_paged.tools.argtypes import check_output
+from te_paged.tools.launch import RankFailure, RankWatchdog, spawn_ranks
+
+__all__ = ["check_ab_args", "model_config", "run_ab_command"]
+
+_MEGATRON_ONLY = ("ep", "dropout", "overlap_grad_reduce")
+
+
+def model_config(args: argparse.Namespace):
+    """The engine's model config from the parsed flags (``None`` flags take its defaults)."""
+    from te_paged.runtime.model import ModelConfig
+
+    megatron = getattr(args, "engine", "default") == "megatron"
+    if megatron:
+        from te_paged.tools.megatron_ab import MegatronModelConfig as cls
+    else:
+        cls = ModelConfig
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kw = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    if megatron:
+        kw.pop("tokens", None)  # seq_length x micro_batch_size
+    return cls(**kw)
+
+
+def _world(args: argparse.Namespace) -> tuple[int, bool]:
+    """``(ranks, under torchrun)``."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"]), True
+    return args.nproc, False
+
+
+def _megatron_missing() -> str | None:
+    from te_paged.integrations.megatron import cpu_shims
+    from te_paged.tools.megatron_ab import quiet_megatron
+
+    quiet_megatron()
+    try:
+        cpu_shims.megatron_version()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def check_ab_args(args: argparse.Namespace) -> str | None:
+    """Everything the run would trip over, as one message (or None), before any rank starts."""
+    megatron = args.engine == "megatron"
+    if not megatron:
+        given = [f"--{n.replace('_', '-')}" for n in _MEGATRON_ONLY if getattr(args, n) not in
+                 (None, False)]  # fmt: skip
+        if given:
+            return f"{', '.join(given)}: only with --engine megatron"
+    elif args.fp8:
+        return (
+            "--fp8 is not available with --engine megatron (FP8 in Megatron needs Transformer "
+            "Engine); use the default engine for FP8 storage"
+        )
+    elif args.record_profile:
+        return "--record-profile is not available with --engine megatron"
+    elif args.activation != "swiglu":
+        return "--activation: the megatron engine's model uses swiglu"
+    world, _ = _world(args)
+    cfg = model_config(args)
+    ep = (args.ep or world) if megatron else world
+    if megatron and world % ep:
+        return f"--ep {ep} does not divide the {world} ranks"
+    if cfg.experts % ep:
+        divisors = [d for d in range(1, cfg.experts + 1) if cfg.experts % d == 0]
+        what = f"--ep {ep}" if megatron and args.ep else f"{ep} ranks"
+        return (
+            f"{cfg.experts} experts do not split evenly over {what} (expert parallelism): use "
+            f"{'--ep' if megatron else '--nproc'} from {divisors}"
+        )
+    try:
+        cfg.moe_config(ep, paged=True)  # the library's own checks (top-k, FP8 sizes, ...)
+    except ValueError as e:
+        return str(e)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            return "--device cuda but CUDA is not available here"
+        if torch.cuda.device_count() < world and not _world(args)[1]:
+            return f"--nproc {world} needs {world} GPUs, {torch.cuda.device_count()} found"
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        return "--plot needs matplotlib: pip install 'te_paged[plot]'"
+    try:
+        check_output("--json", args.json, args.force)
+        check_output("--plot", args.plot, args.force)
+        check_output("--record-profile", args.record_profile, args.force)
+    except ValueError as e:
+        return str(e)
+    if megatron:
+        return _megatron_missing()
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _progress(rank: int, watchdog: RankWatchdog):
+    show = rank == 0 and sys.stderr.isatty()
+
+    def progress(message: str) -> None:
+        watchdog.progress(message)
+        if show:
+            print(f"\r[te-paged ab] {message:<40}", end="", file=sys.stderr, flush=True)
+
+    return progress
+
+
+def _rank(rank: int, world: int, watchdog: RankWatchdog, init: str, args: argparse.Namespace):
+    """One rank's run; returns the gathered result on rank 0 (``None`` elsewhere)."""
+    import torch
+    import torch.distributed as dist
+
+    from te_paged.runtime.ab import gather, run_ab
+
+    if args.engine == "megatron":
+        from te_paged.tools.megatron_ab import quiet_megatron
+
+        quiet_megatron()
+        if args.device == "cpu":
+            from te_paged.integrations.megatron import cpu_shims
+
+            cpu_shims.install()  # CPU only: stand-ins for megatron-core's CUDA-only calls
+    if args.device == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    device = torch.device(args.device)
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend,
+        init_method=init,
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=args.timeout),
+    )
+    try:
+        cfg = model_config(args)
+        progress = _progress(rank, watchdog)
+        if args.engine == "megatron":
+            from te_paged.tools.megatron_ab import run_megatron_ab
+
+            mine = run_megatron_ab(cfg, device, progress)
+        else:
+            record = args.record_profile is not None
+            mine = run_ab(cfg, dist.group.WORLD, device, progress, record_routing=record)
+        result = gather(mine, cfg, dist.group.WORLD)
+        # Every rank leaves together: tearing gloo down while a peer still talks to it can
+        # abort the process.
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return result if rank == 0 else None
+
+
+def _write_outputs(args: argparse.Namespace, result) -> None:
+    if args.json:
+        extra = {"memory": result.memory()}
+        if args.engine == "megatron":
+            extra["engine"] = "megatron"
+        args.json.write_text(json.dumps(dataclasses.asdict(result) | extra, indent=1))
+    if args.plot:
+        from te_paged.runtime.plot import plot_ab
+
+        plot_ab(result, args.plot)
+    if args.record_profile:
+        result.ranks[0].routing.to_json(args.record_profile)
+
+
+def run_ab_command(args: argparse.Namespace) -> int:
+    """The checked ``ab`` command: run, print the table, write the outputs; the exit status."""
+    from te_paged.runtime.ab import format_table
+
+    world, under_torchrun = _world(args)
+    if under_torchrun:
+        rank = int(os.environ["RANK"])
+        watchdog = RankWatchdog(rank, args.timeout * 1.1 + 5).start()
+        try:
+            result = _rank(rank, world, watchdog, "env://", args)
+        finally:
+            watchdog.stop()
+        if rank != 0:
+            return 0
+    else:
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        try:
+            result = spawn_ranks(
+                _rank, world, args.timeout * 1.1 + 5, init, args, tracebacks=args.traceback
+            )
+        except RankFailure as e:
+            print(f"te-paged ab: error: {e}", file=sys.stderr)
+            return 3
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
+    print(format_table(result))
+    _write_outputs(args, result)
+    return 0 if result.equal else 1

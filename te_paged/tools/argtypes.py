@@ -1,0 +1,94 @@
+"""argparse types and checks for ``te-paged``: a bad value is one line naming the flag and the
+accepted range, exit status 2 (argparse's convention), before any work starts."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from pathlib import Path
+
+__all__ = ["OneLineParser", "check_output", "integer", "real"]
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line (``te-paged ab: error: ...``), status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def integer(minimum: int, maximum: int | None = None):
+    """An argparse type: an int in ``[minimum, maximum]``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            upper = f" and <= {maximum}" if maximum is not None else ""
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}{upper}, got {value}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def real(minimum: float = -math.inf, maximum: float = math.inf, *, strict_min: bool = False,
+         strict_max: bool = False):  # fmt: skip
+    """An argparse type: a finite float in the given range (``nan``/``inf`` refused)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        low_bad = value < minimum or (strict_min and value == minimum)
+        high_bad = value > maximum or (strict_max and value == maximum)
+        if not math.isfinite(value) or low_bad or high_bad:
+            parts = []
+            if minimum != -math.inf:
+                parts.append(f"{'>' if strict_min else '>='} {minimum:g}")
+            if maximum != math.inf:
+                parts.append(f"{'<' if strict_max else '<='} {maximum:g}")
+            bound = " and ".join(parts) or "finite"
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
+        return value
+
+    parse.__name__ = "real"
+    return parse
+
+
+def check_output(flag: str, path: Path | None, force: bool, *, directory: bool = False) -> None:
+    """Refuse, before the run, an output the run could not write or would overwrite silently.
+
+    Raises ``ValueError`` naming ``flag``. A directory must exist or be creatable and be
+    writable; a file's directory must exist and be writable, and the file must not exist
+    unless ``force``.
+    """
+    if path is None:
+        return
+    if directory:
+        probe = path
+        while not probe.exists():
+            probe = probe.parent
+        if not probe.is_dir() or not os.access(probe, os.W_OK):
+            raise ValueError(f"{flag} {path}: {probe} is not a writable directory")
+        return
+    if path.is_dir():
+        raise ValueError(f"{flag} {path}: is a directory, not a file")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise ValueError(f"{flag} {path}: the directory {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"{flag} {path}: the directory {parent} is not writable")
+    if path.exists() and not force:
+        raise ValueError(f"{flag} {path}: exists; pass --force to overwrite it")
+
+
+def fail(prog: str, message: str, status: int = 2) -> int:
+    """Print ``prog: error: message`` as one line; return ``status``."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return status
