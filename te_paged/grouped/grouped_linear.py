@@ -27,6 +27,11 @@ counts break for ``dW``/``db``; backward therefore regroups ``x`` and ``dy`` to 
 starts first (:func:`~te_paged.grouped.grouped_tensor.align_groups`: one gather-and-select pass
 each into a ``[T + 7E, I]`` and a ``[T + 7E, O]`` bf16 buffer). CPU needs neither.
 
+Transformer Engine's arguments (docs/configuration.md has the table): every argument of TE 2.x's
+constructor and ``forward`` is taken, in TE's order, and either implemented or accepted at its
+no-op value (tensor-parallel and userbuffer ones are refused at any other). The grouped GEMMs
+themselves are in :mod:`te_paged.grouped.grouped_mm`.
+
 FP8 (``fp8_recipe``): the input is quantised (``tensorwise`` or ``mxfp8``, see
 :mod:`te_paged.grouped.fp8`); the GEMMs run on the dequantised input with high-precision
 weights, a CPU emulation of an FP8 GEMM with FP8 activations. Backward keeps only the FP8 bytes
@@ -35,227 +40,97 @@ and scale-inverses (marked for the stash) and dequantises them for the weight gr
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-import math
-from collections.abc import Callable, Sequence
+import types
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from te_paged.grouped.fp8 import Fp8Recipe, Fp8Tensor, dequantize, mark_fp8_saved, quantize
+from te_paged.grouped.fp8 import Fp8Recipe
+from te_paged.grouped.grouped_mm import (
+    DgradInto,
+    FakeQuant,
+    FnOptions,
+    GroupedLinearFn,
+    MainGradSink,
+    Splits,
+    stack_params,
+)
 from te_paged.grouped.grouped_tensor import (
     GroupedTensor,
     _check_splits,
-    align_groups,
-    group_ids_from_offsets,
     offsets_from_splits,
-    row_mask_from_offsets,
     splits_are_invalid,
 )
-from te_paged.markers import MXFP8_SCALE_BLOCK, mark_grouped_tensor
+from te_paged.markers import MXFP8_SCALE_BLOCK
 from te_paged.te import te_grouped_linear_class
 
 __all__ = ["GroupedLinear", "make_grouped_linear"]
 
-#: Rows per GEMM: a device tensor (required on the device-initiated path) or host ints.
-Splits = torch.Tensor | Sequence[int]
-_ALIGN_BYTES = 16  # torch._grouped_mm needs every stride a multiple of 16 bytes
-
-
-def _gmm(a: torch.Tensor, b: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-    return torch._grouped_mm(a, b, offs=offsets_E)
-
-
-def _k_align_rows(t: torch.Tensor) -> int:
-    """Row multiple of each group when tokens are the reduction dimension (CUDA only)."""
-    return _ALIGN_BYTES // t.element_size() if t.is_cuda else 1
-
-
-def _stack(tensors: Sequence[torch.Tensor], grouped_dim: int) -> torch.Tensor:
-    """One grouped parameter is used as is; ``E`` discrete ones are stacked (a copy)."""
-    if len(tensors) == 1 and tensors[0].dim() == grouped_dim:
-        return tensors[0]
-    return torch.stack(tuple(tensors))
-
-
-def _split_grad(
-    grad_E: torch.Tensor, grouped: bool, needs: Sequence[bool]
-) -> tuple[torch.Tensor | None, ...]:
-    """Per-parameter gradients: the grouped one as is, or one slice per discrete parameter."""
-    grads = (grad_E,) if grouped else grad_E.unbind(0)
-    return tuple(g if need else None for g, need in zip(grads, needs))
-
-
-class _GroupedLinearFn(torch.autograd.Function):
-    """Device-initiated grouped linear: ``y_g = x_g · W_gᵀ (+ b_g)`` for every group ``g``.
-
-    ==============  =====================  ===============================================
-    tensor          shape                  note
-    ==============  =====================  ===============================================
-    ``x_TI``        ``[T, I]``             rows of group g: ``[offsets[g-1], offsets[g])``
-    ``offsets_E``   int32 ``[E]``          cumulative ends (device)
-    ``W``           ``[E, O, I]``          one grouped or ``E`` discrete ``[O, I]``
-    ``b``           ``[E, O]``             optional; one grouped or ``E`` discrete ``[O]``
-    ``y_TO``        ``[T, O]``             padding rows are exactly 0
-    ==============  =====================  ===============================================
-
-    Forward (``pad = row >= offsets[-1]``, a static-shape device mask; grouped_mm leaves the
-    padding rows of its output uninitialised, so they are overwritten with ``masked_fill_``, a
-    select: multiplying by the mask would turn garbage or NaN into NaN)::
-
-        y   = (grouped_mm(x, Wᵀ) + b[group(row)]).masked_fill_(pad, 0)   # [T, O]
-
-    Backward (rows of ``x`` and ``dy`` past ``offsets[-1]`` are never read)::
-
-        dx  = grouped_mm(dy, W).masked_fill_(pad, 0)                  # [T, I]
-        dW  = grouped_mm(dyᵀ, x)                    # [E, O, I]: per group dy_gᵀ x_g
-        db  = grouped_mm(dyᵀ, ones[T, K])[..., 0]   # [E, O]: per group Σ_rows dy_g
-
-    ``db`` as a GEMM (not ``index_add_``) is deterministic on every backend (CUDA's
-    ``index_add_`` uses atomics) and skips padding rows like the other two GEMMs.
-
-    Saved for backward (``s`` = itemsize of the activation dtype):
-
-    * the input, only when some weight needs a gradient: ``x`` (``T·I·s`` bytes), marked for
-      the paged stash (a fresh alias, so the caller's tensor object is left unmarked); with FP8
-      its ``data`` (``T·I`` bytes) and ``scale_inv`` (4 bytes tensorwise; ``T/32·I`` bytes MXFP8,
-      marked) instead. Inside a stash scope only the ``num_tokens`` real rows occupy the pool;
-    * ``offsets`` (``4·E`` bytes, static, unmarked);
-    * the weights, only when ``x`` needs a gradient: references to the parameters (no copy
-      unless ``forward`` had to cast them to the activation dtype).
-    """
-
-    @staticmethod
-    def forward(
-        ctx,
-        x_TI: torch.Tensor,
-        offsets_E: torch.Tensor,
-        recipe: Fp8Recipe | None,
-        num_weights: int,
-        *params: torch.Tensor,
-    ) -> torch.Tensor:
-        weights, biases = params[:num_weights], params[num_weights:]
-        rows = x_TI.shape[0]
-        w_EOI = _stack(weights, 3)
-        fp8 = None
-        x_mm = x_TI
-        if recipe is not None:
-            fp8 = quantize(x_TI, recipe, num_rows=offsets_E[-1])
-            x_mm = dequantize(fp8, x_TI.dtype)
-        y_TO = _gmm(x_mm, w_EOI.transpose(-2, -1), offsets_E)
-        if biases:
-            b_EO = _stack(biases, 2)
-            # Padding rows get group E; clamp to a real bias, the row is zeroed just below.
-            group_T = group_ids_from_offsets(offsets_E, rows).clamp_(max=b_EO.shape[0] - 1)
-            y_TO += b_EO.index_select(0, group_T)
-        # The grouped-mm padding rows are uninitialised (any bits, NaN included): overwrite them
-        # in place, a select that never reads them (multiplying by the mask would keep NaN).
-        pad_T1 = ~row_mask_from_offsets(offsets_E, rows).unsqueeze(1)
-        y_TO.masked_fill_(pad_T1, 0)
-
-        needs = ctx.needs_input_grad
-        ctx.recipe = recipe
-        ctx.grouped_weight = w_EOI is weights[0]
-        ctx.grouped_bias = bool(biases) and len(biases) == 1 and biases[0].dim() == 2
-        ctx.rows, ctx.x_dtype = rows, x_TI.dtype
-        ctx.need_dgrad = needs[0]
-        ctx.need_wgrad = tuple(needs[4 : 4 + num_weights])
-        ctx.need_bgrad = tuple(needs[4 + num_weights :])
-        saved: list[torch.Tensor] = [offsets_E]
-        if any(ctx.need_wgrad):
-            if fp8 is not None:
-                mark_fp8_saved(fp8)
-                saved += [fp8.data, fp8.scale_inv]
-            else:
-                x_saved = x_TI.detach()  # own alias: marking it leaves the caller's tensor alone
-                mark_grouped_tensor(x_saved)
-                saved.append(x_saved)
-        if ctx.need_dgrad:
-            saved += weights
-        ctx.save_for_backward(*saved)
-        return y_TO
-
-    @staticmethod
-    def backward(ctx, dy_TO: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        offsets_E, *rest = ctx.saved_tensors
-        rows, num_groups = ctx.rows, offsets_E.shape[0]
-        dy_TO = dy_TO.contiguous()
-        dx_TI = None
-        grads_w = (None,) * len(ctx.need_wgrad)
-        grads_b = (None,) * len(ctx.need_bgrad)
-        # dW and db reduce over tokens: on CUDA regroup to aligned group starts first.
-        align = _k_align_rows(dy_TO)
-        k_offsets_E = offsets_E
-        dy_k = dy_TO
-        if rows and align > 1 and (any(ctx.need_wgrad) or any(ctx.need_bgrad)):
-            dy_k, k_offsets_E = align_groups(dy_TO, offsets_E, align)
-        if any(ctx.need_wgrad):
-            if ctx.recipe is not None:
-                data, scale_inv, *rest = rest
-                x_TI = dequantize(Fp8Tensor(data, scale_inv, ctx.recipe, ctx.x_dtype))
-            else:
-                x_TI, *rest = rest
-            if rows == 0:  # static shape: [0, *] operands fail grouped_mm's stride checks
-                dw_EOI = x_TI.new_zeros(num_groups, dy_TO.shape[1], x_TI.shape[1])
-            else:
-                x_k = align_groups(x_TI, offsets_E, align)[0] if align > 1 else x_TI
-                dw_EOI = _gmm(dy_k.t(), x_k, k_offsets_E)
-            grads_w = _split_grad(dw_EOI, ctx.grouped_weight, ctx.need_wgrad)
-        if ctx.need_dgrad:
-            w_EOI = _stack(rest, 3)
-            if rows == 0:
-                dx_TI = dy_TO.new_zeros(0, w_EOI.shape[2])
-            else:
-                pad_T1 = ~row_mask_from_offsets(offsets_E, rows).unsqueeze(1)
-                dx_TI = _gmm(dy_TO, w_EOI, offsets_E).masked_fill_(pad_T1, 0)
-        if any(ctx.need_bgrad):
-            if rows == 0:
-                db_EO = dy_TO.new_zeros(num_groups, dy_TO.shape[1])
-            else:
-                ones_TK = dy_k.new_ones(dy_k.shape[0], _ALIGN_BYTES // dy_k.element_size())
-                db_EO = _gmm(dy_k.t(), ones_TK, k_offsets_E)[..., 0]
-            grads_b = _split_grad(db_EO, ctx.grouped_bias, ctx.need_bgrad)
-        return (dx_TI, None, None, None, *grads_w, *grads_b)
-
-
-class _FakeQuant(torch.autograd.Function):
-    """Legacy path's FP8 emulation: ``dequantize(quantize(x))`` forward, identity backward."""
-
-    @staticmethod
-    def forward(ctx, x_TI: torch.Tensor, recipe: Fp8Recipe, num_rows: torch.Tensor):
-        return dequantize(quantize(x_TI, recipe, num_rows=num_rows), x_TI.dtype)
-
-    @staticmethod
-    def backward(ctx, dx_TI: torch.Tensor):
-        return dx_TI, None, None
-
 
 def _default_init(weight_OI: torch.Tensor) -> None:
-    nn.init.kaiming_uniform_(weight_OI, a=math.sqrt(5))  # what nn.Linear does
+    nn.init.normal_(weight_OI, mean=0.0, std=0.023)  # Transformer Engine's default
+
+
+_PARALLEL_MODES = (None, "row", "column")
+
+
+def _check_buffer(
+    name: str, buf: torch.Tensor | None, shape: tuple[int, int], x: torch.Tensor
+) -> None:
+    """TE's rules for ``out``/``dgrad_out``: 2-D, contiguous, no grad, the activation dtype."""
+    if buf is None:
+        return
+    ok = (
+        isinstance(buf, torch.Tensor)
+        and tuple(buf.shape) == shape
+        and buf.is_contiguous()
+        and not buf.requires_grad
+        and buf.dtype == x.dtype
+        and buf.device == x.device
+    )
+    if not ok:
+        raise ValueError(
+            f"{name} must be a contiguous {list(shape)} {x.dtype} tensor on {x.device} that does "
+            f"not require grad (pass buffer.detach()), got "
+            f"{getattr(buf, 'shape', type(buf).__name__)}"
+        )
+
+
+def _group_size(group: object) -> int:
+    return 1 if group is None else int(group.size())
 
 
 class GroupedLinear(nn.Module):
     """``num_gemms`` linear layers applied to consecutive row groups of one input buffer.
 
-    The constructor mirrors Transformer Engine's ``GroupedLinear``. Parameters are
-    ``weight{i}`` ``[out, in]`` / ``bias{i}`` ``[out]``, or one ``weight`` ``[num_gemms, out,
-    in]`` (``single_grouped_weight``) and one ``bias`` ``[num_gemms, out]``
-    (``single_grouped_bias``). ``load_state_dict`` accepts either layout. ``init_method(w)``
-    initialises each expert's ``[out, in]`` weight (default: kaiming-uniform like
-    ``nn.Linear``); biases start at zero. ``device=None`` is torch's default device (CPU unless
-    changed); ``params_dtype=None`` torch's default dtype.
+    The constructor and ``forward`` take Transformer Engine 2.x's ``GroupedLinear`` arguments,
+    in its order (docs/configuration.md has the table: implemented, accepted at TE's no-op
+    value, or rejected with a ``ValueError``), plus te_paged's ``fp8_recipe``. Parameters are
+    registered as TE registers them, ``weight0, bias0, weight1, bias1, ...`` (``weight{i}``
+    ``[out, in]``, ``bias{i}`` ``[out]``), or one ``weight`` ``[num_gemms, out, in]``
+    (``single_grouped_weight``) and one ``bias`` ``[num_gemms, out]`` (``single_grouped_bias``,
+    ignored without ``bias`` as TE ignores it). ``load_state_dict`` accepts either layout.
+    ``init_method(w)`` initialises each ``[out, in]`` weight (default, as TE:
+    ``normal_(0, 0.023)``), under ``get_rng_state_tracker().fork(rng_tracker_name)`` when given;
+    biases start at zero. ``device=None`` is torch's default device (TE's default is
+    ``"cuda"``); ``params_dtype=None`` torch's default dtype; ``use_grouped_tensor=None`` the
+    device-initiated path.
 
-    ``forward(inp, m_splits)`` takes ``inp [max_rows, in]`` (or ``[..., in]``, flattened) and
-    the rows per GEMM; returns ``[..., out]`` with zeros in the padding rows, or ``(out, bias)``
-    with ``return_bias`` (``bias`` ``[num_gemms, out]`` not added, or ``None`` without bias).
-    On the device-initiated path ``m_splits`` must be an integer tensor on ``inp``'s device;
-    the legacy path also takes a list. Negative splits or splits summing past the input's rows
-    are an error: the legacy path raises, the device path (which cannot look without a sync)
-    counts the forward in the device buffer ``invalid_splits`` (TEGroupedMLP reports it to the
-    step runners, which refuse the step). ``inp`` may instead be a :class:`GroupedTensor`.
-    Weights are cast to ``inp``'s dtype when they differ (gradients flow back through the
-    cast, as in TE).
+    ``forward(inp, m_splits, is_first_microbatch=None, out=None, dgrad_out=None)`` takes
+    ``inp [max_rows, in]`` (or ``[..., in]``, flattened) and the rows per GEMM; returns
+    ``[..., out]`` with zeros in the padding rows, or ``(out, bias)`` with ``return_bias``
+    (TE's form: the per-GEMM biases as a list, the single grouped bias as it is, ``None``
+    without bias). ``m_splits`` on ``inp``'s device selects the device-initiated path; host
+    counts (a list or tuple, or a CPU tensor for a CUDA input) take the legacy path, as in TE.
+    Negative splits or splits summing past the input's rows are an error: the legacy path
+    raises, the device path (which cannot look without a sync) counts the forward in the
+    device buffer ``invalid_splits`` (TEGroupedMLP reports it to the step runners, which refuse
+    the step). ``inp`` may instead be a :class:`GroupedTensor`. Weights are cast to ``inp``'s
+    dtype when they differ (gradients flow back through the cast, as in TE).
     """
 
     def __init__(
@@ -263,41 +138,90 @@ class GroupedLinear(nn.Module):
         num_gemms: int,
         in_features: int,
         out_features: int,
-        *,
+        sequence_parallel: bool = False,
+        fuse_wgrad_accumulation: bool = False,
+        tp_group: object = None,
+        tp_size: int = 1,
+        get_rng_state_tracker: Callable[[], object] | None = None,
+        rng_tracker_name: str | None = None,
+        init_method: Callable[[torch.Tensor], object] | None = None,
         bias: bool = True,
         return_bias: bool = False,
         params_dtype: torch.dtype | None = None,
+        parallel_mode: str | None = None,
         device: torch.device | str | None = None,
-        init_method: Callable[[torch.Tensor], object] | None = None,
-        use_grouped_tensor: bool = True,
+        ub_overlap_rs: bool = False,
+        ub_overlap_ag: bool = False,
+        ub_name: str | None = None,
+        delay_wgrad_compute: bool = False,
+        save_original_input: bool = False,
         single_grouped_weight: bool = False,
         single_grouped_bias: bool = False,
+        name: str | None = None,
+        use_grouped_tensor: bool | None = None,
+        *,
         fp8_recipe: Fp8Recipe | str | None = None,
     ) -> None:
         super().__init__()
         sizes = {"num_gemms": num_gemms, "in_features": in_features, "out_features": out_features}
-        for name, value in sizes.items():
+        for key, value in sizes.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if single_grouped_bias and not bias:
-            raise ValueError("single_grouped_bias=True needs bias=True")
+                raise ValueError(f"{key} must be a positive int, got {value!r}")
+        tp = max(int(tp_size), _group_size(tp_group))
+        if tp != 1:
+            raise ValueError(
+                f"tensor parallelism of {tp} (tp_size/tp_group): te_paged's GroupedLinear is "
+                "not tensor-parallel; use expert parallelism (tp_size=1, tp_group=None)"
+            )
+        if parallel_mode not in _PARALLEL_MODES:
+            raise ValueError(
+                f"parallel_mode={parallel_mode!r} is not one of {_PARALLEL_MODES} (at "
+                "tp_size=1 'row' and 'column' change nothing)"
+            )
+        if ub_overlap_rs or ub_overlap_ag:
+            raise ValueError(
+                "ub_overlap_rs/ub_overlap_ag: GroupedLinear has no userbuffer overlap (TE's "
+                "raises too); leave them False"
+            )
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
         self.use_bias, self.return_bias = bias, return_bias
-        self.use_grouped_tensor = use_grouped_tensor
+        self.use_grouped_tensor = True if use_grouped_tensor is None else bool(use_grouped_tensor)
         self.single_grouped_weight = single_grouped_weight
-        self.single_grouped_bias = single_grouped_bias
+        self.single_grouped_bias = single_grouped_bias and bias  # TE ignores it without bias
         self.fp8_recipe = None if fp8_recipe is None else Fp8Recipe(fp8_recipe)
+        if delay_wgrad_compute and not self.use_grouped_tensor:
+            raise ValueError(
+                "delay_wgrad_compute=True needs the device-initiated path: set "
+                "use_grouped_tensor=True (or leave it None)"
+            )
+        if save_original_input and self.fp8_recipe is not None and not self.use_grouped_tensor:
+            raise ValueError(
+                "save_original_input=True with FP8 needs the device-initiated path: set "
+                "use_grouped_tensor=True"
+            )
+        self.sequence_parallel = False  # TE: tp_size > 1 and sequence_parallel
+        self.parallel_mode, self.tp_size = parallel_mode, 1
+        self.ub_name, self.name = ub_name, name
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.delay_wgrad_compute = delay_wgrad_compute
+        self.save_original_input = save_original_input
+        self._wgrad_store: list = []
         self.init_method = init_method or _default_init
+        self.get_rng_state_tracker, self.rng_tracker_name = get_rng_state_tracker, rng_tracker_name
         kw = {"dtype": params_dtype or torch.get_default_dtype(), "device": device}
-        layouts = [("weight", single_grouped_weight, (out_features, in_features))]
-        layouts += [("bias", single_grouped_bias, (out_features,))] if bias else []
-        for name, grouped, shape in layouts:  # "weight" [E, O, I] or "weight{i}" [O, I] ...
-            for key, full in (
-                [(name, (num_gemms, *shape))]
-                if grouped
-                else [(f"{name}{i}", shape) for i in range(num_gemms)]
-            ):
-                self.register_parameter(key, nn.Parameter(torch.empty(full, **kw)))
+        if self.single_grouped_weight:
+            weight = nn.Parameter(torch.empty(num_gemms, out_features, in_features, **kw))
+            self.register_parameter("weight", weight)
+        if self.single_grouped_bias:
+            self.register_parameter(
+                "bias", nn.Parameter(torch.empty(num_gemms, out_features, **kw))
+            )
+        for i in range(num_gemms):  # TE's order: weight0, bias0, weight1, bias1, ...
+            if not self.single_grouped_weight:
+                weight = nn.Parameter(torch.empty(out_features, in_features, **kw))
+                self.register_parameter(f"weight{i}", weight)
+            if bias and not self.single_grouped_bias:
+                self.register_parameter(f"bias{i}", nn.Parameter(torch.empty(out_features, **kw)))
         # Device counter of forwards whose m_splits were negative or summed past the input's
         # rows (the device path cannot raise without a sync; the legacy path raises).
         zero = torch.zeros((), dtype=torch.int64, device=device)
@@ -320,10 +244,16 @@ class GroupedLinear(nn.Module):
         return self._params("bias", self.single_grouped_bias) if self.use_bias else []
 
     def reset_parameters(self) -> None:
-        with torch.no_grad():
+        tracker = self.get_rng_state_tracker
+        rng = contextlib.nullcontext()
+        if tracker is not None:
+            fork = tracker().fork
+            rng = fork(self.rng_tracker_name) if self.rng_tracker_name else fork()
+        with torch.no_grad(), rng:
             for w in self.weight_params():
                 for w_OI in w.unbind(0) if w.dim() == 3 else (w,):
                     self.init_method(w_OI)
+        with torch.no_grad():
             for b in self.bias_params():
                 b.zero_()
 
@@ -359,8 +289,14 @@ class GroupedLinear(nn.Module):
     # -------------------------------------------------------------------------------- forward
 
     def forward(
-        self, inp: torch.Tensor | GroupedTensor, m_splits: Splits | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        self,
+        inp: torch.Tensor | GroupedTensor,
+        m_splits: Splits | None = None,
+        is_first_microbatch: bool | None = None,
+        out: torch.Tensor | None = None,
+        dgrad_out: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, object]:
+        # is_first_microbatch only lets TE cache FP8 weight copies: te_paged keeps none.
         offsets_E = None
         if isinstance(inp, GroupedTensor):
             if m_splits is not None or inp.fp8 is not None:
@@ -378,11 +314,23 @@ class GroupedLinear(nn.Module):
             raise ValueError(f"MXFP8 scales blocks of {MXFP8_SCALE_BLOCK} rows, but the input has "
                              f"{rows} rows: pad max_num_tokens to a multiple of "
                              f"{MXFP8_SCALE_BLOCK}")  # fmt: skip
+        _check_buffer("out", out, (rows, self.out_features), x_TI)
+        _check_buffer("dgrad_out", dgrad_out, (rows, self.in_features), x_TI)
+        if dgrad_out is not None and x_TI.requires_grad:
+            x_TI = DgradInto.apply(x_TI, dgrad_out)
         dtype = x_TI.dtype
-        weights = [w.to(dtype) for w in self.weight_params()]
+        params = self.weight_params()
+        if self.fuse_wgrad_accumulation and torch.is_grad_enabled():
+            params = [MainGradSink.apply(w) if w.requires_grad else w for w in params]
+        weights = [w.to(dtype) for w in params]
         biases = [b.to(dtype) for b in self.bias_params()]
         add_biases = [] if self.return_bias else biases
-        if self.use_grouped_tensor:
+        # Host counts (a list or tuple, or a CPU tensor for a CUDA input) take the legacy path,
+        # as in Transformer Engine: the host already knows them.
+        host_splits = isinstance(m_splits, (list, tuple)) or (
+            isinstance(m_splits, torch.Tensor) and m_splits.is_cpu and not x_TI.is_cpu
+        )
+        if self.use_grouped_tensor and not host_splits:
             if offsets_E is None:
                 _check_splits(m_splits, x_TI.device, "m_splits")
                 if m_splits.numel() != self.num_gemms:
@@ -391,28 +339,48 @@ class GroupedLinear(nn.Module):
                 offsets_E = offsets_from_splits(m_splits, rows)
                 bad = splits_are_invalid(m_splits, rows).to(self.invalid_splits.device)
                 self.invalid_splits.add_(bad)
-            self._check_device_path(dtype)
-            y_TO = _GroupedLinearFn.apply(x_TI.contiguous(), offsets_E, self.fp8_recipe,
-                                          len(weights), *weights, *add_biases)  # fmt: skip
+            self._check_device_path()
+            opts = FnOptions(
+                self.fp8_recipe,
+                self.save_original_input,
+                self._wgrad_store if self.delay_wgrad_compute else None,
+            )
+            y_TO = GroupedLinearFn.apply(x_TI.contiguous(), offsets_E, opts, len(weights),
+                                         *weights, *add_biases)  # fmt: skip
         else:
             y_TO = self._forward_legacy(x_TI, m_splits, weights, add_biases)
         y = y_TO.view(*inp.shape[:-1], self.out_features)
+        if out is not None:
+            out.copy_(y_TO)
+            y = out.view(*inp.shape[:-1], self.out_features)
         if not self.return_bias:
             return y
-        return y, (_stack(biases, 2) if biases else None)
+        if not biases:
+            return y, None
+        return y, (biases[0] if self.single_grouped_bias else biases)
 
-    def _check_device_path(self, dtype: torch.dtype) -> None:
+    def backward_dw(self) -> None:
+        """With ``delay_wgrad_compute``: compute the weight gradients the last backward(s)
+        deferred, into ``weight.grad`` (accumulating), or ``weight.main_grad`` with
+        ``fuse_wgrad_accumulation``. Otherwise nothing is deferred and this does nothing."""
+        weights = self.weight_params()
+        while self._wgrad_store:
+            grads = self._wgrad_store.pop(0)()
+            for w, g in zip(weights, grads):
+                if g is None:
+                    continue
+                g = g.to(w.dtype)
+                if self.fuse_wgrad_accumulation:
+                    MainGradSink.backward(types.SimpleNamespace(weight=w), g)
+                elif w.grad is None:
+                    w.grad = g
+                else:
+                    w.grad += g
+
+    def _check_device_path(self) -> None:
         if not hasattr(torch, "_grouped_mm"):
             raise RuntimeError(f"torch {torch.__version__} has no torch._grouped_mm (torch>=2.8 "
                                "needed); use use_grouped_tensor=False")  # fmt: skip
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        for name, n in (("in_features", self.in_features), ("out_features", self.out_features)):
-            if n * itemsize % _ALIGN_BYTES:
-                raise ValueError(
-                    f"{name}={n} in {dtype} is {n * itemsize} bytes per row; torch._grouped_mm "
-                    f"needs a multiple of {_ALIGN_BYTES} bytes: pad {name} to a multiple of "
-                    f"{_ALIGN_BYTES // itemsize} or use use_grouped_tensor=False"
-                )
 
     def _forward_legacy(
         self, x_TI: torch.Tensor, m_splits: Splits, weights: list[Tensor], biases: list[Tensor]
@@ -428,9 +396,9 @@ class GroupedLinear(nn.Module):
             raise ValueError(f"m_splits sums to {num_rows} rows but the input has {rows}")
         if self.fp8_recipe is not None:
             num_rows_t = torch.tensor(num_rows, device=x_TI.device)
-            x_TI = _FakeQuant.apply(x_TI, self.fp8_recipe, num_rows_t)
-        w_list = list(_stack(weights, 3).unbind(0)) if len(weights) == 1 else weights
-        b_list = list(_stack(biases, 2).unbind(0)) if len(biases) == 1 else biases
+            x_TI = FakeQuant.apply(x_TI, self.fp8_recipe, num_rows_t)
+        w_list = list(stack_params(weights, 3).unbind(0)) if len(weights) == 1 else weights
+        b_list = list(stack_params(biases, 2).unbind(0)) if len(biases) == 1 else biases
         outs = []
         for g, x_g in enumerate(torch.split(x_TI[:num_rows], splits)):
             y_g = F.linear(x_g, w_list[g])

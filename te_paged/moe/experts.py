@@ -220,7 +220,8 @@ class TEGroupedMLP(nn.Module, PagedStashParticipant):
             a_TF = ckpt.checkpoint(act, h_in, p_in)
         else:
             a_TF = act(h_TC, act_probs_T)  # marker call site 2, inside the fused activation
-        y_TH, b_EH = self.linear_fc2(a_TF, splits_E)
+        y_TH, b = self.linear_fc2(a_TF, splits_E)
+        b_EH = torch.stack(b) if isinstance(b, list) else b  # TE's return_bias form
         if cfg.recompute_moe_act:
             ckpt.discard_output_and_register_recompute(y_TH)
         if b_EH is None:

@@ -20,7 +20,7 @@ import torch
 
 from te_paged.config import Activation, Fp8Recipe
 from te_paged.grouped.activations import _WeightedQuickGeGLU, _WeightedSwiGLU
-from te_paged.grouped.grouped_linear import _GroupedLinearFn
+from te_paged.grouped.grouped_mm import FnOptions, GroupedLinearFn
 
 __all__ = ["fused_grouped_mlp"]
 
@@ -83,7 +83,7 @@ class _FusedGroupedMLP(torch.autograd.Function):
 
     Saves exactly what the unfused modules save (FC1's input or its FP8 parts, the activation's
     input and probabilities, FC2's input or its FP8 parts, offsets, weights), minus FC2's input
-    under ``moe_act`` recompute; see :class:`~te_paged.grouped.grouped_linear._GroupedLinearFn`
+    under ``moe_act`` recompute; see :class:`~te_paged.grouped.grouped_mm.GroupedLinearFn`
     and :class:`~te_paged.grouped.activations._WeightedSwiGLU` for the bytes.
     """
 
@@ -101,9 +101,13 @@ class _FusedGroupedMLP(torch.autograd.Function):
         c2 = _SubCtx((need_h, need_p, False, False, False, False, False))
         need_a = need_h or need_p
         c3 = _SubCtx((need_a, False, False, False, *p2))
-        h_TC = _GroupedLinearFn.forward(c1, x_TH, offsets_E, spec.fc1_recipe, spec.n_w1, *w1, *b1)
+        h_TC = GroupedLinearFn.forward(
+            c1, x_TH, offsets_E, FnOptions(spec.fc1_recipe), spec.n_w1, *w1, *b1
+        )
         a_TF = _act_forward(spec, c2, h_TC, probs_T, num_rows)
-        y_TH = _GroupedLinearFn.forward(c3, a_TF, offsets_E, spec.fc2_recipe, spec.n_w2, *w2)
+        y_TH = GroupedLinearFn.forward(
+            c3, a_TF, offsets_E, FnOptions(spec.fc2_recipe), spec.n_w2, *w2
+        )
         saved3 = c3.to_save
         dropped = ()
         if spec.recompute_act:
@@ -137,12 +141,12 @@ class _FusedGroupedMLP(torch.autograd.Function):
                 a_TF = _act_forward(plain, _SubCtx(c2.needs_input_grad), h_TC, probs_T, None)
             saved3 = tuple(a_TF if d else t for t, d in zip(saved3, ctx.dropped))
         c3.saved_tensors = saved3
-        da_TF, _, _, _, *g2 = _GroupedLinearFn.backward(c3, dy_TH)
+        da_TF, _, _, _, *g2 = GroupedLinearFn.backward(c3, dy_TH)
         dh_TC, dprobs_T = (None, None) if da_TF is None else _act_backward(spec, c2, da_TF)
         g1 = [None] * (spec.n_w1 + spec.n_b1)
         dx_TH = None
         if dh_TC is not None:
-            dx_TH, _, _, _, *g1 = _GroupedLinearFn.backward(c1, dh_TC)
+            dx_TH, _, _, _, *g1 = GroupedLinearFn.backward(c1, dh_TC)
         for c in (c1, c2, c3):
             # Autograd frees a node's saved tensors after its backward; these references to
             # them (reloaded at full static size) would otherwise outlive it, one layer each.
@@ -167,7 +171,7 @@ def fused_grouped_mlp(mlp, x_TH, splits_E, offsets_E, probs_T, num_tokens) -> to
     x_TH, act_probs_T = pre_fc1_probs(cfg, x_TH, probs_T)
     dtype = x_TH.dtype
     for linear in (fc1, fc2):
-        linear._check_device_path(dtype)
+        linear._check_device_path()
     w1 = [w.to(dtype) for w in fc1.weight_params()]
     b1 = [b.to(dtype) for b in fc1.bias_params()]
     w2 = [w.to(dtype) for w in fc2.weight_params()]

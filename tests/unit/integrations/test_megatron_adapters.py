@@ -174,8 +174,8 @@ def test_grouped_linear_adapter_follows_megatrons_protocol(bias, skip_bias_add) 
     ref = GroupedLinear(E, H, FFN, bias=bias, use_grouped_tensor=False)
     ref.load_state_dict(layer.state_dict())
     expected = ref(x, counts)
-    if skip_bias_add and bias:  # Megatron adds it later, per expert: [E, out]
-        assert b.shape == (E, FFN)
+    if skip_bias_add and bias:  # Megatron adds it later, zipping per expert (TE's list)
+        assert len(b) == E and all(bi.shape == (FFN,) for bi in b)
         expected = expected - torch.cat([b[i].expand(n, -1) for i, n in enumerate(counts)])
         assert torch.allclose(out, expected, atol=1e-6)  # (x·W + b) − b vs x·W: rounding
     else:
