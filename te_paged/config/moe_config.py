@@ -29,16 +29,53 @@ import torch
 
 
 class Activation(str, enum.Enum):
-    """Expert activation. SwiGLU and QuickGeGLU are gated (FC1 is 2×ffn wide); GELU/SiLU are not."""
+    """Expert activation: an elementwise function (Megatron's ``activation_func``), gated (a GLU:
+    FC1 is 2×ffn wide, ``act(gate) · up``) or not. SwiGLU and QuickGeGLU also have fused kernels
+    (``bias_activation_fusion``); every one works with paged stash."""
 
     SWIGLU = "swiglu"
+    GEGLU = "geglu"
     QUICK_GEGLU = "quick_geglu"
-    GELU = "gelu"
+    REGLU = "reglu"
+    SQUARED_REGLU = "squared_reglu"
     SILU = "silu"
+    GELU = "gelu"
+    QUICK_GELU = "quick_gelu"
+    RELU = "relu"
+    SQUARED_RELU = "squared_relu"
 
     @property
     def is_gated(self) -> bool:
+        return self in _GATED
+
+    @property
+    def function(self) -> str:
+        """The elementwise function's name (Megatron's ``activation_func.__name__``)."""
+        return _FUNCTION[self]
+
+    @property
+    def has_fused_kernel(self) -> bool:
         return self in (Activation.SWIGLU, Activation.QUICK_GEGLU)
+
+    @classmethod
+    def from_function(cls, function: str, gated: bool) -> Activation:
+        """The activation of Megatron's ``(activation_func, gated_linear_unit)``."""
+        for member, name in _FUNCTION.items():
+            if name == function and member.is_gated == gated:
+                return member
+        raise ValueError(f"no activation for function {function!r} with gated={gated}")
+
+
+_GATED = frozenset(
+    (Activation.SWIGLU, Activation.GEGLU, Activation.QUICK_GEGLU, Activation.REGLU,
+     Activation.SQUARED_REGLU)
+)  # fmt: skip
+_FUNCTION = {
+    Activation.SWIGLU: "silu", Activation.GEGLU: "gelu", Activation.QUICK_GEGLU: "quick_gelu",
+    Activation.REGLU: "relu", Activation.SQUARED_REGLU: "squared_relu", Activation.SILU: "silu",
+    Activation.GELU: "gelu", Activation.QUICK_GELU: "quick_gelu", Activation.RELU: "relu",
+    Activation.SQUARED_RELU: "squared_relu",
+}  # fmt: skip
 
 
 class Fp8Recipe(str, enum.Enum):
@@ -80,11 +117,6 @@ PAGED_STASH_FORBIDDEN_OFFLOAD_MODULES: tuple[str, ...] = (
     "moe_act",
     "fused_group_mlp",
 )
-# The non-op-fuser paged-stash path has fused, marker-propagating kernels for these only.
-PAGED_STASH_NON_OP_FUSER_ACTIVATIONS: tuple[Activation, ...] = (
-    Activation.SWIGLU,
-    Activation.QUICK_GEGLU,
-)
 PARAMS_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 MXFP8_BLOCK_SIZE: int = 32
 
@@ -122,6 +154,7 @@ class MoEConfig:
     glu_linear_offset: float = 0.0  # QuickGeGLU linear offset
     # Expert MLP execution.
     bias_activation_fusion: bool = True
+    use_fused_weighted_squared_relu: bool = False  # Megatron's fused kernel for squared_relu
     add_bias_linear: bool = False
     moe_mlp_glu_interleave_size: int | None = None
     moe_apply_probs_on_input: bool = False
@@ -246,11 +279,8 @@ class MoEConfig:
                 f"num_moe_experts={experts} is not divisible by expert_model_parallel_size={ep}; "
                 "choose an expert_model_parallel_size that divides num_moe_experts"
             )
-        if self.moe_router_topk > experts:
-            problems.append(
-                f"moe_router_topk={self.moe_router_topk} exceeds num_moe_experts={experts}; "
-                "set moe_router_topk <= num_moe_experts"
-            )
+        # top-k vs the number of experts is the router's to check (TopKRouter does): an expert
+        # module, e.g. one local expert of an EP group, is valid whatever the routing.
         interleave = self.moe_mlp_glu_interleave_size
         if interleave is not None and (not _is_int(interleave) or interleave <= 0):
             problems.append(
@@ -337,25 +367,35 @@ class MoEConfig:
         if self.activation not in tuple(a.value for a in Activation):
             return  # already reported by _check_choices
         act = Activation(self.activation)
-        quick_geglu_only = (
+        glu_only = (
             ("activation_func_clamp_value", self.activation_func_clamp_value is not None, "None"),
             ("glu_linear_offset", self.glu_linear_offset != 0, "0.0"),
         )
-        for name, is_set, default in quick_geglu_only:
-            if is_set and act is not Activation.QUICK_GEGLU:
+        for name, is_set, default in glu_only:
+            if is_set and not act.is_gated:
                 problems.append(
-                    f"{name}={getattr(self, name)!r} only applies to activation='quick_geglu' "
-                    f"(got activation={act.value!r}); set {name}={default} or "
-                    "activation='quick_geglu'"
+                    f"{name}={getattr(self, name)!r} only applies to a gated activation (got "
+                    f"activation={act.value!r}); set {name}={default} or a gated activation"
                 )
-        if self._paged_stash_non_op_fuser:
-            return  # gating is checked by _check_paged_stash with a path-specific message
+        if self.activation_func_fp8_input_store and not (
+            self.bias_activation_fusion and act.has_fused_kernel
+        ):
+            problems.append(
+                "activation_func_fp8_input_store=True needs the fused kernels: "
+                "bias_activation_fusion=True with activation 'swiglu' or 'quick_geglu' (got "
+                f"bias_activation_fusion={self.bias_activation_fusion}, activation={act.value!r})"
+            )
+        if self.use_fused_weighted_squared_relu and act is not Activation.SQUARED_RELU:
+            problems.append(
+                "use_fused_weighted_squared_relu=True needs activation='squared_relu' (got "
+                f"activation={act.value!r}); set use_fused_weighted_squared_relu=False"
+            )
         if act.is_gated != self.gated_linear_unit:
             kind = "gated" if act.is_gated else "not gated"
             problems.append(
                 f"activation={act.value!r} is {kind} but gated_linear_unit="
-                f"{self.gated_linear_unit}; set gated_linear_unit={act.is_gated} "
-                "(gated: 'swiglu', 'quick_geglu'; non-gated: 'gelu', 'silu')"
+                f"{self.gated_linear_unit}; set gated_linear_unit={act.is_gated} (gated: "
+                f"{', '.join(repr(a.value) for a in Activation if a.is_gated)})"
             )
 
     def _check_recompute_and_offload(self, problems: list[str]) -> None:
@@ -394,31 +434,14 @@ class MoEConfig:
             )
         if not self._paged_stash_non_op_fuser:
             return
-        # The non-op-fuser path relies on device-initiated GroupedLinear and on the fused,
-        # marker-propagating SwiGLU/QuickGeGLU kernels; anything else would save unmarked tensors.
-        supported = tuple(a.value for a in PAGED_STASH_NON_OP_FUSER_ACTIVATIONS)
-        known = tuple(a.value for a in Activation)
+        # The non-op-fuser path relies on the device-initiated GroupedLinear marking its own
+        # saved input; the activations mark theirs (fused or not, every activation).
         interleave = self.moe_mlp_glu_interleave_size
         requirements: tuple[tuple[bool, str, str], ...] = (
             (
                 not self.moe_use_grouped_tensor,
                 "moe_use_grouped_tensor=True (device-initiated GroupedLinear)",
                 "set moe_use_grouped_tensor=True",
-            ),
-            (
-                not self.bias_activation_fusion,
-                "bias_activation_fusion=True (fused SwiGLU/QuickGeGLU)",
-                "set bias_activation_fusion=True",
-            ),
-            (
-                not self.gated_linear_unit,
-                "a gated activation, got gated_linear_unit=False",
-                "set gated_linear_unit=True with activation 'swiglu' or 'quick_geglu'",
-            ),
-            (
-                self.activation in known and self.activation not in supported,
-                f"activation 'swiglu' or 'quick_geglu', got activation={self.activation!r}",
-                "change activation",
             ),
             (
                 interleave is not None,

@@ -11,31 +11,26 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 
 from te_paged.config import Activation, MoEConfig
 
 __all__ = ["as_moe_config"]
 
-# (Megatron activation function name, gated_linear_unit) -> te_paged activation
-_ACTIVATIONS = {
-    ("silu", True): Activation.SWIGLU,
-    ("quick_gelu", True): Activation.QUICK_GEGLU,
-    ("silu", False): Activation.SILU,
-    ("gelu", False): Activation.GELU,
-}
-
 
 def _activation(func: object, gated: bool) -> str:
-    name = "silu" if func is F.silu else "gelu" if func is F.gelu else getattr(func, "__name__", "")
-    activation = _ACTIVATIONS.get((name, gated))
-    if activation is None:
-        supported = ", ".join(f"{n} (gated_linear_unit={g})" for n, g in _ACTIVATIONS)
+    """te_paged's activation for Megatron's ``(activation_func, gated_linear_unit)``: the
+    function is recognised by its name (``F.silu``, ``F.gelu``, ``F.relu``, Megatron's
+    ``quick_gelu`` and ``squared_relu``; see the registry in
+    :mod:`te_paged.grouped.weighted_activation`)."""
+    name = getattr(func, "__name__", "")
+    try:
+        return Activation.from_function(name, bool(gated)).value
+    except ValueError:
+        supported = ", ".join(sorted({a.function for a in Activation}))
         raise ValueError(
-            f"activation_func={name or func!r} with gated_linear_unit={gated} is not supported "
-            f"by te_paged's experts; supported: {supported}"
-        )
-    return activation.value
+            f"activation_func={name or func!r} is not supported by te_paged's experts; "
+            f"supported (gated or not): {supported}"
+        ) from None
 
 
 def _fp8(config: object) -> str | None:
@@ -55,6 +50,12 @@ def as_moe_config(config: object) -> MoEConfig:
     """``config`` itself when it is a :class:`MoEConfig`, else a new one read field by field."""
     if isinstance(config, MoEConfig):
         return config
+    if getattr(config, "use_te_activation_func", False):
+        raise ValueError(
+            "use_te_activation_func=True (Transformer Engine's activation modules) is not "
+            "supported by te_paged's experts; set it to False: te_paged then computes "
+            "Megatron's own activation code, bit for bit (see docs/configuration.md)"
+        )
     kw: dict[str, object] = {}
     for f in dataclasses.fields(MoEConfig):
         if f.name in ("activation", "fp8"):

@@ -110,6 +110,11 @@ class TopKRouter(nn.Module):
                 f"aux_loss_coeff must be a finite number >= 0, got {aux_loss_coeff!r} "
                 "(e.g. 1e-2; 0 disables the loss)"
             )
+        if cfg.moe_router_topk > cfg.num_moe_experts:
+            raise ValueError(
+                f"moe_router_topk={cfg.moe_router_topk} exceeds num_moe_experts="
+                f"{cfg.num_moe_experts}; set moe_router_topk <= num_moe_experts"
+            )
         self.config = cfg
         self.num_experts, self.topk = cfg.num_moe_experts, cfg.moe_router_topk
         self.aux_loss_coeff = float(aux_loss_coeff)

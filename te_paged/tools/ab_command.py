@@ -88,8 +88,10 @@ def check_ab_args(args: argparse.Namespace) -> str | None:
             f"{cfg.experts} experts do not split evenly over {what} (expert parallelism): use "
             f"{'--ep' if megatron else '--nproc'} from {divisors}"
         )
+    if cfg.topk > cfg.experts:
+        return f"--topk {cfg.topk} exceeds --experts {cfg.experts}"
     try:
-        cfg.moe_config(ep, paged=True)  # the library's own checks (top-k, FP8 sizes, ...)
+        cfg.moe_config(ep, paged=True)  # the library's own checks (FP8 sizes, ...)
     except ValueError as e:
         return str(e)
     if args.device == "cuda":

@@ -38,6 +38,7 @@ def test_defaults() -> None:
         "activation_func_clamp_value": None,
         "glu_linear_offset": 0.0,
         "bias_activation_fusion": True,
+        "use_fused_weighted_squared_relu": False,
         "add_bias_linear": False,
         "moe_mlp_glu_interleave_size": None,
         "moe_apply_probs_on_input": False,
@@ -159,27 +160,31 @@ REJECTIONS = [
         "moe_use_grouped_tensor",
         f"set moe_use_grouped_tensor=True {NON_OP_FUSER_FIX}",
     ),
-    _rejection(
-        "non_op_fuser_without_fusion",
-        {**PAGED, "bias_activation_fusion": False},
-        "bias_activation_fusion",
-        f"set bias_activation_fusion=True {NON_OP_FUSER_FIX}",
-    ),
-    _rejection(
-        "non_op_fuser_non_gated",
-        {**PAGED, "gated_linear_unit": False},
-        "gated_linear_unit=False",
-        f"set gated_linear_unit=True .* {NON_OP_FUSER_FIX}",
-    ),
     *[
         _rejection(
-            f"non_op_fuser_{act}_gated",
+            f"{act}_needs_gated_linear_unit_false",
             {**PAGED, "activation": act},
-            f"activation='{act}'",
-            f"change activation {NON_OP_FUSER_FIX}",
+            f"activation='{act}' is not gated but gated_linear_unit=True",
+            "set gated_linear_unit=False",
         )
-        for act in ("gelu", "silu")
+        for act in ("gelu", "silu", "relu", "squared_relu")
     ],
+    _rejection(
+        "swiglu_needs_gated_linear_unit",
+        {**PAGED, "gated_linear_unit": False},
+        "activation='swiglu' is gated but gated_linear_unit=False",
+        "set gated_linear_unit=True",
+    ),
+    _rejection(
+        "fp8_input_store_needs_the_fused_kernel",
+        {
+            "fp8": "tensorwise",
+            "activation_func_fp8_input_store": True,
+            "bias_activation_fusion": False,
+        },
+        "activation_func_fp8_input_store=True needs the fused kernels",
+        "bias_activation_fusion=True with activation 'swiglu' or 'quick_geglu'",
+    ),
     _rejection(
         "non_op_fuser_glu_interleave",
         {**PAGED, "moe_mlp_glu_interleave_size": 32},
@@ -239,12 +244,6 @@ REJECTIONS = [
         {"expert_model_parallel_size": 3},
         "num_moe_experts=8 .* expert_model_parallel_size=3",
         "choose an expert_model_parallel_size that divides num_moe_experts",
-    ),
-    _rejection(
-        "topk_above_experts",
-        {"moe_router_topk": 9},
-        "moe_router_topk=9",
-        "set moe_router_topk <= num_moe_experts",
     ),
     # 7: MXFP8 block alignment.
     *[
@@ -308,16 +307,16 @@ REJECTIONS = [
         "set gated_linear_unit=False",
     ),
     _rejection(
-        "clamp_without_quick_geglu",
-        {"activation_func_clamp_value": 7.0},
-        "activation_func_clamp_value=7.0",
-        "set activation_func_clamp_value=None or activation='quick_geglu'",
+        "clamp_without_a_gated_activation",
+        {"activation": "gelu", "gated_linear_unit": False, "activation_func_clamp_value": 7.0},
+        "activation_func_clamp_value=7.0 only applies to a gated activation",
+        "set activation_func_clamp_value=None or a gated activation",
     ),
     _rejection(
-        "offset_without_quick_geglu",
-        {"glu_linear_offset": 1.0},
-        "glu_linear_offset=1.0",
-        "set glu_linear_offset=0.0 or activation='quick_geglu'",
+        "offset_without_a_gated_activation",
+        {"activation": "relu", "gated_linear_unit": False, "glu_linear_offset": 1.0},
+        "glu_linear_offset=1.0 only applies to a gated activation",
+        "set glu_linear_offset=0.0 or a gated activation",
     ),
     *[
         _rejection(
@@ -369,8 +368,8 @@ def test_replace_revalidates() -> None:
     assert dataclasses.replace(cfg, moe_paged_stash_page_size=128).moe_paged_stash_page_size == 128
     with pytest.raises(ValueError, match=r"moe_expert_rank_capacity_factor.*set it"):
         dataclasses.replace(cfg, moe_expert_rank_capacity_factor=None)
-    with pytest.raises(ValueError, match="bias_activation_fusion"):
-        dataclasses.replace(cfg, bias_activation_fusion=False)
+    with pytest.raises(ValueError, match="moe_use_grouped_tensor"):
+        dataclasses.replace(cfg, moe_use_grouped_tensor=False)
 
 
 def test_validate_after_mutation() -> None:
@@ -418,7 +417,29 @@ def test_derived_properties() -> None:
     )
     assert cfg.fc1_output_size == 128
     assert cfg.recompute_moe_act
-    assert [a.value for a in Activation if a.is_gated] == ["swiglu", "quick_geglu"]
+    gated = ["swiglu", "geglu", "quick_geglu", "reglu", "squared_reglu"]
+    assert [a.value for a in Activation if a.is_gated] == gated
+    assert Activation.from_function("gelu", True) is Activation.GEGLU
+    assert Activation.from_function("squared_relu", False).function == "squared_relu"
+
+
+@pytest.mark.parametrize("activation", [a.value for a in Activation])
+@pytest.mark.parametrize("fusion", [False, True])
+def test_every_activation_works_with_paged_stash(activation, fusion) -> None:
+    # Before: the non-op-fuser paged-stash path accepted only fused SwiGLU/QuickGeGLU.
+    gated = Activation(activation).is_gated
+    MoEConfig(**{**PAGED, "activation": activation, "gated_linear_unit": gated,
+                 "bias_activation_fusion": fusion})  # fmt: skip
+
+
+def test_top_k_is_the_routers_check_not_the_expert_configs() -> None:
+    # Megatron builds an expert module for each EP rank's local experts whatever top-k is.
+    cfg = MoEConfig(num_moe_experts=2, moe_router_topk=4)
+    from te_paged import TEGroupedMLP, TopKRouter
+
+    TEGroupedMLP(1, cfg)
+    with pytest.raises(ValueError, match="moe_router_topk=4 exceeds num_moe_experts=2"):
+        TopKRouter(cfg)
 
 
 @pytest.mark.parametrize(

@@ -79,6 +79,44 @@ def test_quick_gelu_and_fp8_recipe_mapping() -> None:
         as_moe_config(megatron_like_config(fp8="hybrid", fp8_recipe="delayed"))
 
 
+def _squared_relu(x):
+    return torch.pow(F.relu(x), 2)
+
+
+_squared_relu.__name__ = "squared_relu"
+
+
+@pytest.mark.parametrize(
+    ("func", "gated", "activation"),
+    [
+        (F.silu, True, "swiglu"), (F.gelu, True, "geglu"), (F.relu, True, "reglu"),
+        (_squared_relu, True, "squared_reglu"), (F.silu, False, "silu"),
+        (F.gelu, False, "gelu"), (F.relu, False, "relu"), (_squared_relu, False, "squared_relu"),
+    ],
+)  # fmt: skip
+def test_every_megatron_activation_builds_and_runs(func, gated, activation) -> None:
+    """What Megatron constructs (e.g. GeGLU when only GLU is set) builds and runs, even with
+    one local expert and top-2 routing: top-k is the router's to check."""
+    mcfg = megatron_like_config(activation_func=func, gated_linear_unit=gated,
+                                bias_activation_fusion=False)  # fmt: skip
+    assert as_moe_config(mcfg).activation == activation
+    mlp = TEGroupedMLP(1, megatron_like_config(activation_func=func, gated_linear_unit=gated,
+                                               num_moe_experts=1))  # fmt: skip
+    width = 2 * 64 if gated else 64
+    assert mlp.linear_fc1.weight0.shape == (width, 32)
+    x = torch.randn(10, 32, requires_grad=True)
+    y, _ = mlp(x, torch.tensor([10]), torch.rand(10))
+    y.sum().backward()
+    assert y.shape == (10, 32) and x.grad.abs().sum() > 0
+
+
+def test_megatron_settings_te_paged_cannot_reproduce_are_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="use_te_activation_func=True"):
+        as_moe_config(megatron_like_config(use_te_activation_func=True))
+    with pytest.raises(ValueError, match="use_fused_weighted_squared_relu=True needs"):
+        MoEConfig(use_fused_weighted_squared_relu=True)  # SwiGLU
+
+
 def test_megatron_dynamic_input_with_host_token_counts() -> None:
     # Megatron's dropless dispatchers hand [sum(tokens), H] with tokens_per_expert on the CPU.
     mlp = TEGroupedMLP(4, megatron_like_config())
@@ -182,9 +220,9 @@ def test_owns_a_manager_when_none_is_given() -> None:
             {
                 "moe_paged_stash": True,
                 "moe_expert_rank_capacity_factor": 2.0,
-                "bias_activation_fusion": False,
+                "moe_mlp_glu_interleave_size": 32,
             },
-            "bias_activation_fusion",
+            "moe_mlp_glu_interleave_size",
         ),
     ],
 )

@@ -7,6 +7,8 @@ import itertools
 import pytest
 import torch
 
+from te_paged.config import Activation
+
 from .harness import build, config, run_step
 
 MATRIX = list(
@@ -85,3 +87,31 @@ def test_recompute_marks_operands_from_the_config_not_from_attributes() -> None:
     run_step(manager, layers, cfg, 0)
     keys = set(manager.stats().capture_peak_rows)
     assert {"float32x128", "float32x1", "float32x32"} <= keys  # act input, probs, bias rows
+
+
+@pytest.mark.parametrize("rc", [[], ["moe_act"]], ids=["norc", "rc"])
+@pytest.mark.parametrize("activation", [a.value for a in Activation])
+def test_every_activation_stash_on_off_bitwise_and_as_paged_as_swiglu(activation, rc) -> None:
+    """The unfused order (``bias_activation_fusion=False``) for every activation, gated or not:
+    ON == OFF bitwise, and exactly as many tensors paged as the fused SwiGLU pages."""
+    gated = Activation(activation).is_gated
+    kw = {
+        "activation": activation,
+        "gated_linear_unit": gated,
+        "bias_activation_fusion": False,
+        "recompute_modules": rc,
+        "add_bias_linear": True,
+    }
+    on_cfg, off_cfg = config(moe_paged_stash=True, **kw), config(**kw)
+    manager, on_layers = build(on_cfg)
+    _, off_layers = build(off_cfg)
+    ref_cfg = config(moe_paged_stash=True, recompute_modules=rc, add_bias_linear=True)
+    ref_manager, ref_layers = build(ref_cfg)  # fused SwiGLU
+    for step in range(2):
+        on = run_step(manager, on_layers, on_cfg, step)
+        off = run_step(None, off_layers, off_cfg, step)
+        assert all(torch.equal(a, b) for a, b in zip(on, off)), f"ON != OFF at step {step}"
+        run_step(ref_manager, ref_layers, ref_cfg, step)
+        stats, ref_stats = manager.stats(), ref_manager.stats()
+        assert stats.stashes == stats.pops == ref_stats.stashes > 0, (stats, ref_stats)
+        assert not stats.overflow
