@@ -1,4 +1,4 @@
-"""Stash+pop throughput against a plain copy of the same bytes (see te_paged.runtime.bench).
+"""Stash+pop throughput against a plain copy of the same bytes (see te_paged.tools.bench).
 
     python benchmarks/bench_stash.py [--hidden ...] [--tokens ...] --out benchmarks/results/X.md
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from te_paged.runtime.bench import stash_report
+from te_paged.tools.bench import stash_report
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from te_paged.runtime import FallbackLimitError, PagedStashRunner
-from te_paged.runtime.model import ModelConfig, ToyMoEModel, make_batch
 from te_paged.runtime.planner import RoutingProfile, recommend
+from te_paged.tools.model import ModelConfig, ToyMoEModel, make_batch
 
 BASE = ModelConfig(
     layers=3,

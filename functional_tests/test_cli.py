@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from te_paged import cli
-from te_paged.runtime import ab as ab_module
 from te_paged.runtime.planner import RoutingProfile
+from te_paged.tools import ab as ab_module
 from te_paged.tools import ab_command
 
 from .launch import REPO_ROOT, torchrun

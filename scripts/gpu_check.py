@@ -211,7 +211,7 @@ def graph():
 
 @check("5. stash+pop bandwidth vs a device-to-device copy")
 def bandwidth():
-    from te_paged.runtime.bench import stash_report
+    from te_paged.tools.bench import stash_report
 
     sizes = ([2048, 7168], [16384, 65536]) if DEV.type == "cuda" else ([256], [1024])
     report = stash_report(

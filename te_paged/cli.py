@@ -26,7 +26,7 @@ __all__ = ["main"]
 
 
 def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
-    from te_paged.runtime.model import ModelConfig
+    from te_paged.tools.model import ModelConfig
 
     d = ModelConfig()
     g = p.add_argument_group("model and run (defaults: the embedded default model)")

@@ -26,7 +26,7 @@ _MEGATRON_ONLY = ("ep", "dropout", "overlap_grad_reduce")
 
 def model_config(args: argparse.Namespace):
     """The engine's model config from the parsed flags (``None`` flags take its defaults)."""
-    from te_paged.runtime.model import ModelConfig
+    from te_paged.tools.model import ModelConfig
 
     megatron = getattr(args, "engine", "default") == "megatron"
     if megatron:
@@ -136,7 +136,7 @@ def _rank(rank: int, world: int, watchdog: RankWatchdog, init: str, args: argpar
     import torch
     import torch.distributed as dist
 
-    from te_paged.runtime.ab import gather, run_ab
+    from te_paged.tools.ab import gather, run_ab
 
     if args.engine == "megatron":
         from te_paged.tools.megatron_ab import quiet_megatron
@@ -186,7 +186,7 @@ def _write_outputs(args: argparse.Namespace, result) -> None:
             extra["engine"] = "megatron"
         args.json.write_text(json.dumps(dataclasses.asdict(result) | extra, indent=1))
     if args.plot:
-        from te_paged.runtime.plot import plot_ab
+        from te_paged.tools.plot import plot_ab
 
         plot_ab(result, args.plot)
     if args.record_profile:
@@ -195,7 +195,7 @@ def _write_outputs(args: argparse.Namespace, result) -> None:
 
 def run_ab_command(args: argparse.Namespace) -> int:
     """The checked ``ab`` command: run, print the table, write the outputs; the exit status."""
-    from te_paged.runtime.ab import format_table
+    from te_paged.tools.ab import format_table
 
     world, under_torchrun = _world(args)
     if under_torchrun:

@@ -37,7 +37,7 @@ def check_bench_args(args: argparse.Namespace) -> str | None:
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
-    from te_paged.runtime.bench import stash_report, step_time_report
+    from te_paged.tools.bench import stash_report, step_time_report
 
     command = "te-paged " + " ".join(sys.argv[1:])
     args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -35,9 +35,9 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from te_paged.runtime.ab import RankResult, StepResult
 from te_paged.runtime.memory import PeakMemoryMeter
-from te_paged.runtime.model import ModelConfig
+from te_paged.tools.ab import RankResult, StepResult
+from te_paged.tools.model import ModelConfig
 
 __all__ = [
     "MegatronModelConfig",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from te_paged.runtime.model import ModelConfig, ToyMoEModel, make_batch
+from te_paged.tools.model import ModelConfig, ToyMoEModel, make_batch
 
 CFG = ModelConfig(layers=3, experts=4, topk=2, hidden=16, ffn=32, tokens=24, page_size=4)
 

@@ -265,7 +265,7 @@ def test_before_rerun_runs_after_the_gradients_were_zeroed() -> None:
 
 
 def _toy(buffer_factor: float = 1.1):
-    from te_paged.runtime.model import ModelConfig, ToyMoEModel, make_batch
+    from te_paged.tools.model import ModelConfig, ToyMoEModel, make_batch
 
     cfg = ModelConfig(
         layers=2, experts=4, topk=2, hidden=16, ffn=32, tokens=24, page_size=4,

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from te_paged.runtime.memory import measure_peak, reload_adjusted_saving
-from te_paged.runtime.model import ModelConfig, ToyMoEModel, make_batch
+from te_paged.tools.model import ModelConfig, ToyMoEModel, make_batch
 
 BASE = ModelConfig(layers=6, hidden=64, ffn=128, tokens=128, page_size=16, steps=2)
 

@@ -141,7 +141,7 @@ def stash_report(
 
 def step_time_report(cfg, *, repeats: int = 5, device: str = "cpu", command: str = "") -> str:
     """Median step time of the ``ab`` model (one process) with paged stash ON and OFF."""
-    from te_paged.runtime.model import ToyMoEModel, make_batch
+    from te_paged.tools.model import ToyMoEModel, make_batch
 
     dev = torch.device(device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)

@@ -23,9 +23,9 @@ from te_paged.runtime.memory import (
     capacity_model_saving,
     reload_adjusted_saving,
 )
-from te_paged.runtime.model import ModelConfig, ToyMoEModel, make_batch
 from te_paged.runtime.planner import RoutingProfile
 from te_paged.runtime.runner import PagedStashRunner
+from te_paged.tools.model import ModelConfig, ToyMoEModel, make_batch
 
 __all__ = ["ABResult", "RankResult", "format_table", "gather", "run_ab"]
 
