@@ -1,15 +1,17 @@
-"""Configuration: `MoEConfig` and the enums its choice-valued fields are validated against."""
+"""Configuration: `MoEConfig` and the enums (and registries) its choice-valued fields are validated
+against. `Fp8Recipe` (of `te_paged.grouped`) and `KernelBackend` (of `te_paged.kernels`) are
+re-exported here, where the fields that take them are."""
 
 from __future__ import annotations
 
 from te_paged.config.moe_config import (
     Activation,
-    Fp8Recipe,
-    KernelBackend,
     MoEConfig,
     RecomputeGranularity,
     RecomputeModule,
 )
+from te_paged.grouped.fp8 import Fp8Recipe
+from te_paged.kernels.backends import KernelBackend
 
 __all__ = [
     "Activation",

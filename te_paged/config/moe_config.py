@@ -4,9 +4,11 @@ Every invalid combination is rejected in `__post_init__` (and therefore also by
 `dataclasses.replace`) with one `ValueError` that lists each problem: the field(s), the value(s)
 and the fix. Nothing downstream re-checks these with `assert`.
 
-Choice-valued fields are stored as plain strings (as Megatron does) but validated against the enums
-below; the `activation_type`, `fp8_recipe` and `kernel_backend` properties return the enum members.
-Passing an enum member instead of its string is accepted and normalised to the string.
+Choice-valued fields are stored as plain strings (as Megatron does) and validated against the
+enums below or, for `activation` and `moe_paged_stash_kernel_backend`, against the registries of
+:mod:`te_paged.grouped.activations` and :mod:`te_paged.kernels`; `activation_type` returns the
+registered activation, `fp8_recipe` the enum member. Passing an enum member instead of its
+string is accepted and normalised to the string.
 
 Static token budget (see DESIGN.md §1), for one rank with `T` input tokens:
 
@@ -27,11 +29,21 @@ from fractions import Fraction
 
 import torch
 
+from te_paged.grouped.activations import (
+    ACTIVATIONS,
+    ActivationSpec,
+    activation_for_function,
+    get_activation,
+)
+from te_paged.grouped.fp8 import Fp8Recipe
+from te_paged.kernels.backends import backend_choices
+from te_paged.markers import MXFP8_SCALE_BLOCK
+
 
 class Activation(str, enum.Enum):
-    """Expert activation: an elementwise function (Megatron's ``activation_func``), gated (a GLU:
-    FC1 is 2×ffn wide, ``act(gate) · up``) or not. SwiGLU and QuickGeGLU also have fused kernels
-    (``bias_activation_fusion``); every one works with paged stash."""
+    """The built-in expert activations by name, for convenience: the registry
+    (:mod:`te_paged.grouped.activations`) is what every check and path reads, and any name
+    registered there is valid where one of these is."""
 
     SWIGLU = "swiglu"
     GEGLU = "geglu"
@@ -45,52 +57,26 @@ class Activation(str, enum.Enum):
     SQUARED_RELU = "squared_relu"
 
     @property
+    def spec(self) -> ActivationSpec:
+        return get_activation(self.value)
+
+    @property
     def is_gated(self) -> bool:
-        return self in _GATED
+        return self.spec.gated
 
     @property
     def function(self) -> str:
         """The elementwise function's name (Megatron's ``activation_func.__name__``)."""
-        return _FUNCTION[self]
+        return self.spec.function
 
     @property
     def has_fused_kernel(self) -> bool:
-        return self in (Activation.SWIGLU, Activation.QUICK_GEGLU)
+        return self.spec.fused is not None
 
     @classmethod
     def from_function(cls, function: str, gated: bool) -> Activation:
-        """The activation of Megatron's ``(activation_func, gated_linear_unit)``."""
-        for member, name in _FUNCTION.items():
-            if name == function and member.is_gated == gated:
-                return member
-        raise ValueError(f"no activation for function {function!r} with gated={gated}")
-
-
-_GATED = frozenset(
-    (Activation.SWIGLU, Activation.GEGLU, Activation.QUICK_GEGLU, Activation.REGLU,
-     Activation.SQUARED_REGLU)
-)  # fmt: skip
-_FUNCTION = {
-    Activation.SWIGLU: "silu", Activation.GEGLU: "gelu", Activation.QUICK_GEGLU: "quick_gelu",
-    Activation.REGLU: "relu", Activation.SQUARED_REGLU: "squared_relu", Activation.SILU: "silu",
-    Activation.GELU: "gelu", Activation.QUICK_GELU: "quick_gelu", Activation.RELU: "relu",
-    Activation.SQUARED_RELU: "squared_relu",
-}  # fmt: skip
-
-
-class Fp8Recipe(str, enum.Enum):
-    """FP8 recipe for expert GEMM inputs (`fp8=None` means no FP8)."""
-
-    TENSORWISE = "tensorwise"  # per-tensor current scaling
-    MXFP8 = "mxfp8"  # blocks of 32 elements with power-of-two scales
-
-
-class KernelBackend(str, enum.Enum):
-    """Implementation of the stash copy/pop kernels."""
-
-    AUTO = "auto"  # Triton on CUDA when importable, else the torch reference
-    TRITON = "triton"
-    TORCH = "torch"
+        """The built-in activation of Megatron's ``(activation_func, gated_linear_unit)``."""
+        return cls(activation_for_function(function, gated).name)
 
 
 class RecomputeGranularity(str, enum.Enum):
@@ -118,7 +104,7 @@ PAGED_STASH_FORBIDDEN_OFFLOAD_MODULES: tuple[str, ...] = (
     "fused_group_mlp",
 )
 PARAMS_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
-MXFP8_BLOCK_SIZE: int = 32
+MXFP8_BLOCK_SIZE: int = MXFP8_SCALE_BLOCK  # the one constant, defined by the markers
 
 
 def _allowed(enum_cls: type[enum.Enum]) -> str:
@@ -202,16 +188,18 @@ class MoEConfig:
         return 2 * self.moe_ffn_hidden_size if self.gated_linear_unit else self.moe_ffn_hidden_size
 
     @property
-    def activation_type(self) -> Activation:
-        return Activation(self.activation)
+    def activation_type(self) -> ActivationSpec:
+        """The registered activation (:mod:`te_paged.grouped.activations`)."""
+        return get_activation(self.activation)
 
     @property
     def fp8_recipe(self) -> Fp8Recipe | None:
         return None if self.fp8 is None else Fp8Recipe(self.fp8)
 
     @property
-    def kernel_backend(self) -> KernelBackend:
-        return KernelBackend(self.moe_paged_stash_kernel_backend)
+    def kernel_backend(self) -> str:
+        """The stash kernel backend's name (registered in :mod:`te_paged.kernels`, or auto)."""
+        return self.moe_paged_stash_kernel_backend
 
     def max_num_tokens(self, num_tokens: int) -> int:
         """Static per-rank expert-input rows for `num_tokens` input tokens (see module doc)."""
@@ -296,10 +284,19 @@ class MoEConfig:
                     )
 
     def _check_choices(self, problems: list[str]) -> None:
+        for name, registered in (
+            ("activation", tuple(ACTIVATIONS)),
+            ("moe_paged_stash_kernel_backend", backend_choices()),
+        ):
+            value = getattr(self, name)
+            value = getattr(value, "value", value)  # an enum member names its value
+            if value in registered:
+                setattr(self, name, value)
+            else:
+                problems.append(f"{name}={value!r} is not registered; use one of "
+                                f"{', '.join(repr(n) for n in registered)}")  # fmt: skip
         choices: tuple[tuple[str, type[enum.Enum], bool], ...] = (
-            ("activation", Activation, False),
             ("fp8", Fp8Recipe, True),
-            ("moe_paged_stash_kernel_backend", KernelBackend, False),
             ("recompute_granularity", RecomputeGranularity, True),
         )
         for name, enum_cls, nullable in choices:
@@ -364,38 +361,55 @@ class MoEConfig:
             )
 
     def _check_activation(self, problems: list[str]) -> None:
-        if self.activation not in tuple(a.value for a in Activation):
+        if self.activation not in ACTIVATIONS:
             return  # already reported by _check_choices
-        act = Activation(self.activation)
+        act = get_activation(self.activation)
         glu_only = (
             ("activation_func_clamp_value", self.activation_func_clamp_value is not None, "None"),
             ("glu_linear_offset", self.glu_linear_offset != 0, "0.0"),
         )
+        fused = [s.name for s in ACTIVATIONS.values() if s.fused is not None]
+        fused_names = " or ".join(repr(n) for n in fused)
+        uses_fused = act.fused is not None and (
+            self.bias_activation_fusion or self.use_transformer_engine_op_fuser
+        )
         for name, is_set, default in glu_only:
-            if is_set and not act.is_gated:
+            if is_set and not act.gated:
                 problems.append(
                     f"{name}={getattr(self, name)!r} only applies to a gated activation (got "
-                    f"activation={act.value!r}); set {name}={default} or a gated activation"
+                    f"activation={act.name!r}); set {name}={default} or a gated activation"
+                )
+            elif is_set and uses_fused and not act.fused_clamp:
+                problems.append(
+                    f"{name}={getattr(self, name)!r}: the fused {act.name!r} kernel has no clamp "
+                    "or offset (as Megatron's); set bias_activation_fusion=False (and "
+                    f"use_transformer_engine_op_fuser=False) or {name}={default}"
                 )
         if self.activation_func_fp8_input_store and not (
-            self.bias_activation_fusion and act.has_fused_kernel
+            (self.bias_activation_fusion or self.use_transformer_engine_op_fuser)
+            and act.fused is not None
         ):
             problems.append(
                 "activation_func_fp8_input_store=True needs the fused kernels: "
-                "bias_activation_fusion=True with activation 'swiglu' or 'quick_geglu' (got "
-                f"bias_activation_fusion={self.bias_activation_fusion}, activation={act.value!r})"
+                f"bias_activation_fusion=True with activation {fused_names} (got "
+                f"bias_activation_fusion={self.bias_activation_fusion}, activation={act.name!r})"
             )
-        if self.use_fused_weighted_squared_relu and act is not Activation.SQUARED_RELU:
+        if self.use_transformer_engine_op_fuser and act.fused is None:
+            problems.append(
+                f"use_transformer_engine_op_fuser=True fuses an activation with a fused kernel "
+                f"({fused_names}); got activation={act.name!r}: use the non-op-fuser path for it"
+            )
+        if self.use_fused_weighted_squared_relu and act.name != Activation.SQUARED_RELU.value:
             problems.append(
                 "use_fused_weighted_squared_relu=True needs activation='squared_relu' (got "
-                f"activation={act.value!r}); set use_fused_weighted_squared_relu=False"
+                f"activation={act.name!r}); set use_fused_weighted_squared_relu=False"
             )
-        if act.is_gated != self.gated_linear_unit:
-            kind = "gated" if act.is_gated else "not gated"
+        if act.gated != self.gated_linear_unit:
+            kind = "gated" if act.gated else "not gated"
+            gated = ", ".join(repr(s.name) for s in ACTIVATIONS.values() if s.gated)
             problems.append(
-                f"activation={act.value!r} is {kind} but gated_linear_unit="
-                f"{self.gated_linear_unit}; set gated_linear_unit={act.is_gated} (gated: "
-                f"{', '.join(repr(a.value) for a in Activation if a.is_gated)})"
+                f"activation={act.name!r} is {kind} but gated_linear_unit="
+                f"{self.gated_linear_unit}; set gated_linear_unit={act.gated} (gated: {gated})"
             )
 
     def _check_recompute_and_offload(self, problems: list[str]) -> None:

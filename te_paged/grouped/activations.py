@@ -25,7 +25,9 @@ small forward accuracy for gradients that are exact for the output actually prod
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -36,7 +38,21 @@ from te_paged.markers import (
     propagate_paged_stash_marker,
 )
 
-__all__ = ["QUICK_GELU_ALPHA", "weighted_quick_geglu", "weighted_swiglu"]
+__all__ = [
+    "ACTIVATIONS",
+    "QUICK_GELU_ALPHA",
+    "ActivationSpec",
+    "WeightedQuickGeGLUFunction",
+    "WeightedSwiGLUFunction",
+    "activation_for_function",
+    "finish_grads",
+    "get_activation",
+    "load_saved_inputs",
+    "register_activation",
+    "save_inputs",
+    "weighted_quick_geglu",
+    "weighted_swiglu",
+]
 
 #: ``quick_gelu(g) = g · σ(1.702 g)``.
 QUICK_GELU_ALPHA = 1.702
@@ -49,7 +65,7 @@ def _mark(paged_stash: bool, source: torch.Tensor, target: torch.Tensor) -> None
         propagate_paged_stash_marker(source, target)
 
 
-def _save_inputs(ctx, x, probs, recipe, paged_stash, num_rows) -> tuple[torch.Tensor, ...]:
+def save_inputs(ctx, x, probs, recipe, paged_stash, num_rows) -> tuple[torch.Tensor, ...]:
     """Save (and mark) what backward needs; return ``(x_RC, probs_R)`` in the compute dtype.
 
     ``x_RC``/``probs_R`` are fresh views: the objects actually saved, so they carry the marker.
@@ -72,7 +88,10 @@ def _save_inputs(ctx, x, probs, recipe, paged_stash, num_rows) -> tuple[torch.Te
     return dequantize(fp8).to(ctx.compute_dtype), probs_R
 
 
-def _load_inputs(ctx) -> tuple[torch.Tensor, torch.Tensor]:
+def load_saved_inputs(ctx) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x_RC, probs_R)`` as a fused function's forward saved them, ``x`` in the compute dtype
+    (dequantised from its FP8 store); ``ctx.x_shape``/``x_dtype``/``probs_shape`` restore the
+    caller's views."""
     if ctx.recipe is None:
         x_RC, probs_R = ctx.saved_tensors
         return x_RC.to(ctx.compute_dtype), probs_R
@@ -81,7 +100,8 @@ def _load_inputs(ctx) -> tuple[torch.Tensor, torch.Tensor]:
     return dequantize(fp8).to(ctx.compute_dtype), probs_R
 
 
-def _finish_grads(ctx, dgate_RF, dup_RF, dprobs_R) -> tuple[torch.Tensor | None, ...]:
+def finish_grads(ctx, dgate_RF, dup_RF, dprobs_R) -> tuple[torch.Tensor | None, ...]:
+    """``(dx, dprobs)`` in the caller's dtypes and shapes, as ``ctx.needs_input_grad`` asks."""
     dx = None
     if ctx.needs_input_grad[0]:
         dx = torch.cat([dgate_RF, dup_RF], dim=1).to(ctx.x_dtype).view(ctx.x_shape)
@@ -91,7 +111,7 @@ def _finish_grads(ctx, dgate_RF, dup_RF, dprobs_R) -> tuple[torch.Tensor | None,
     return dx, dprobs
 
 
-class _WeightedSwiGLU(torch.autograd.Function):
+class WeightedSwiGLUFunction(torch.autograd.Function):
     """``y = silu(gate) · up · probs`` with ``silu(g) = g·σ(g)``.
 
     ==========  =============  ==================================================
@@ -119,8 +139,13 @@ class _WeightedSwiGLU(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, probs, recipe, paged_stash, num_rows):
-        x_RC, probs_R = _save_inputs(ctx, x, probs, recipe, paged_stash, num_rows)
+    def forward(ctx, x, probs, recipe, paged_stash, num_rows, limit=None, linear_offset=0.0):
+        if limit is not None or linear_offset:
+            raise ValueError(
+                "the fused SwiGLU has no clamp and no linear offset (as Megatron's): use the "
+                "unfused activation (bias_activation_fusion=False)"
+            )
+        x_RC, probs_R = save_inputs(ctx, x, probs, recipe, paged_stash, num_rows)
         ffn = x_RC.shape[1] // 2
         gate_RF, up_RF = x_RC[:, :ffn], x_RC[:, ffn:]
         y_RF = torch.nn.functional.silu(gate_RF) * up_RF * probs_R.to(x_RC.dtype).unsqueeze(1)
@@ -128,7 +153,7 @@ class _WeightedSwiGLU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x_RC, probs_R = _load_inputs(ctx)
+        x_RC, probs_R = load_saved_inputs(ctx)
         ffn = x_RC.shape[1] // 2
         gate_RF, up_RF = x_RC[:, :ffn], x_RC[:, ffn:]
         dy_RF = dy.reshape(-1, ffn).to(x_RC.dtype)
@@ -139,27 +164,27 @@ class _WeightedSwiGLU(torch.autograd.Function):
         dgate_RF = ((dyp_RF * sig_RF) * (1 + gate_RF * (1 - sig_RF))) * up_RF
         dup_RF = dyp_RF * act_RF
         dprobs_R = (dy_RF * (act_RF * up_RF)).sum(dim=1)  # y = (act · up) · probs
-        return *_finish_grads(ctx, dgate_RF, dup_RF, dprobs_R), None, None, None
+        return *finish_grads(ctx, dgate_RF, dup_RF, dprobs_R), None, None, None, None, None
 
 
-class _WeightedQuickGeGLU(torch.autograd.Function):
+class WeightedQuickGeGLUFunction(torch.autograd.Function):
     """``y = quick_gelu(gate') · (up' + linear_offset) · probs``, ``quick_gelu(g) = g·σ(α g)``,
     ``α = 1.702``; with ``limit`` (GPT-OSS style) ``gate' = min(gate, limit)`` and
     ``up' = clamp(up, −limit, limit)``, else ``gate' = gate``, ``up' = up``.
 
-    Shapes as :class:`_WeightedSwiGLU`. Backward, with ``s = σ(α gate')``::
+    Shapes as :class:`WeightedSwiGLUFunction`. Backward, with ``s = σ(α gate')``::
 
         d_gate  = dy · probs · (up' + offset) · (s + α·gate'·s·(1 − s))   [0 where gate > limit]
         d_up    = dy · probs · quick_gelu(gate')                          [0 where |up| > limit]
         d_probs = Σ_F dy · quick_gelu(gate') · (up' + offset)
 
     (at ``gate == limit`` the gradient passes, as with ``torch.clamp``). Saves exactly what
-    :class:`_WeightedSwiGLU` saves, at the same cost: the clamp is recomputed in backward.
+    :class:`WeightedSwiGLUFunction` saves, at the same cost: the clamp is recomputed in backward.
     """
 
     @staticmethod
     def forward(ctx, x, probs, recipe, paged_stash, num_rows, limit, linear_offset):
-        x_RC, probs_R = _save_inputs(ctx, x, probs, recipe, paged_stash, num_rows)
+        x_RC, probs_R = save_inputs(ctx, x, probs, recipe, paged_stash, num_rows)
         ctx.limit, ctx.linear_offset = limit, linear_offset
         ffn = x_RC.shape[1] // 2
         gate_RF, up_RF = _clamp(x_RC[:, :ffn], x_RC[:, ffn:], limit)
@@ -169,7 +194,7 @@ class _WeightedQuickGeGLU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x_RC, probs_R = _load_inputs(ctx)
+        x_RC, probs_R = load_saved_inputs(ctx)
         ffn = x_RC.shape[1] // 2
         gate_raw_RF, up_raw_RF = x_RC[:, :ffn], x_RC[:, ffn:]
         gate_RF, up_RF = _clamp(gate_raw_RF, up_raw_RF, ctx.limit)
@@ -185,7 +210,7 @@ class _WeightedQuickGeGLU(torch.autograd.Function):
             dgate_RF = torch.where(gate_raw_RF <= limit, dgate_RF, 0.0)
             dup_RF = torch.where((up_raw_RF >= -limit) & (up_raw_RF <= limit), dup_RF, 0.0)
         dprobs_R = (dy_RF * (act_RF * up_RF)).sum(dim=1)
-        return *_finish_grads(ctx, dgate_RF, dup_RF, dprobs_R), None, None, None, None, None
+        return *finish_grads(ctx, dgate_RF, dup_RF, dprobs_R), None, None, None, None, None
 
 
 def _clamp(gate, up, limit: float | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,7 +255,7 @@ def weighted_swiglu(
     num_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``silu(x[..., :F]) · x[..., F:] · probs[:, None]`` → ``[..., F]`` (see
-    :class:`_WeightedSwiGLU` for shapes, gradients and saved bytes).
+    :class:`WeightedSwiGLUFunction` for shapes, gradients and saved bytes).
 
     ``fp8_input_store`` stores the saved input as FP8 with that recipe; ``num_rows`` (a
     one-element device tensor, used only then) keeps padding rows out of the FP8 scales and
@@ -238,7 +263,7 @@ def weighted_swiglu(
     bitwise stash-on/off parity. ``paged_stash=True`` marks every saved token-major tensor.
     """
     recipe = _check(x, probs, fp8_input_store, num_rows)
-    return _WeightedSwiGLU.apply(x, probs, recipe, bool(paged_stash), num_rows)
+    return WeightedSwiGLUFunction.apply(x, probs, recipe, bool(paged_stash), num_rows, None, 0.0)
 
 
 def weighted_quick_geglu(
@@ -252,15 +277,106 @@ def weighted_quick_geglu(
     num_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``quick_gelu(gate') · (up' + linear_offset) · probs[:, None]`` → ``[..., F]``, with the
-    optional GPT-OSS clamp ``limit`` (see :class:`_WeightedQuickGeGLU`). Other arguments as in
-    :func:`weighted_swiglu`.
+    optional GPT-OSS clamp ``limit`` (see :class:`WeightedQuickGeGLUFunction`). Other arguments as
+    in :func:`weighted_swiglu`.
     """
     recipe = _check(x, probs, fp8_input_store, num_rows)
     if limit is not None and not (math.isfinite(limit) and limit > 0):
         raise ValueError(f"limit must be None or a finite value > 0, got {limit}")
     if not math.isfinite(linear_offset):
         raise ValueError(f"linear_offset must be finite, got {linear_offset}")
-    return _WeightedQuickGeGLU.apply(
+    return WeightedQuickGeGLUFunction.apply(
         x, probs, recipe, bool(paged_stash), num_rows,
         None if limit is None else float(limit), float(linear_offset),
     )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ the registry
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationSpec:
+    """One expert activation, everything te_paged's experts need to know of it.
+
+    ``name`` is the config's ``activation``; ``function`` the elementwise function's name as
+    Megatron's ``activation_func.__name__`` spells it (how a Megatron config is read);
+    ``elementwise`` that function; ``gated`` whether it is a GLU (``act(gate) · up``, FC1
+    ``2F`` wide). Every activation runs in Megatron's unfused order
+    (:func:`~te_paged.grouped.weighted_activation.weighted_activation`), which saves its input
+    ``[R, C]`` and the probabilities ``[R]``, marked for the paged stash, and nothing else.
+
+    ``fused``, where there is one, is an autograd function with Megatron's fused kernel's
+    numerics (fp32 inside, one rounding) for ``bias_activation_fusion`` and the op-fuser path:
+    ``forward(ctx, x, probs, fp8_recipe, paged_stash, num_rows, limit, linear_offset)`` saving
+    through ``save_inputs`` (the same two tensors, or the input's FP8 bytes and scale-inverse
+    with the FP8 store) and a matching ``backward``; ``fused_clamp`` says whether it takes the
+    GPT-OSS clamp and linear offset.
+    """
+
+    name: str
+    function: str
+    gated: bool
+    elementwise: Callable[[torch.Tensor], torch.Tensor]
+    fused: type[torch.autograd.Function] | None = None
+    fused_clamp: bool = False
+
+    @property
+    def is_gated(self) -> bool:
+        return self.gated
+
+    @property
+    def has_fused_kernel(self) -> bool:
+        return self.fused is not None
+
+
+ACTIVATIONS: dict[str, ActivationSpec] = {}
+
+
+def register_activation(spec: ActivationSpec, *, replace: bool = False) -> ActivationSpec:
+    """Add ``spec`` under its name (``replace=True`` to override one); returns it."""
+    if not isinstance(spec, ActivationSpec):
+        raise TypeError(f"register_activation takes an ActivationSpec, got {spec!r}")
+    if spec.name in ACTIVATIONS and not replace:
+        raise ValueError(f"an activation named {spec.name!r} is already registered; pass "
+                         "replace=True to override it")  # fmt: skip
+    ACTIVATIONS[spec.name] = spec
+    return spec
+
+
+def get_activation(name: str) -> ActivationSpec:
+    """The registered activation ``name``; a ``ValueError`` naming the registered ones."""
+    spec = ACTIVATIONS.get(getattr(name, "value", name))
+    if spec is None:
+        raise ValueError(f"activation={name!r} is not registered; registered: "
+                         f"{', '.join(repr(n) for n in ACTIVATIONS)}")  # fmt: skip
+    return spec
+
+
+def activation_for_function(function: str, gated: bool) -> ActivationSpec:
+    """The activation Megatron's ``(activation_func.__name__, gated_linear_unit)`` builds."""
+    for spec in ACTIVATIONS.values():
+        if spec.function == function and spec.gated == bool(gated):
+            return spec
+    functions = sorted({s.function for s in ACTIVATIONS.values()})
+    raise ValueError(
+        f"no activation for function {function!r} with gated={bool(gated)}; registered "
+        f"functions: {functions}"
+    )
+
+
+def _register_builtins() -> None:
+    from te_paged.grouped.weighted_activation import ACTIVATION_FUNCTIONS as fns
+
+    glu = {"silu": "swiglu", "gelu": "geglu", "quick_gelu": "quick_geglu", "relu": "reglu",
+           "squared_relu": "squared_reglu"}  # fmt: skip
+    fused = {"swiglu": (WeightedSwiGLUFunction, False),
+             "quick_geglu": (WeightedQuickGeGLUFunction, True)}  # fmt: skip
+    for function, gated_name in glu.items():
+        kernel, clamp = fused.get(gated_name, (None, False))
+        spec = ActivationSpec(gated_name, function, True, fns[function], kernel, clamp)
+        register_activation(spec)
+    for function in glu:
+        register_activation(ActivationSpec(function, function, False, fns[function]))
+
+
+_register_builtins()

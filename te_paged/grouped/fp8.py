@@ -41,10 +41,10 @@ bitwise the same with the stash on or off. Nothing here reads a device value on 
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 import torch
 
-from te_paged.config import Fp8Recipe
 from te_paged.markers import MXFP8_SCALE_BLOCK, mark_grouped_tensor
 
 __all__ = [
@@ -62,6 +62,13 @@ FP8_E4M3_MAX = 448.0
 
 _E8M0_BIAS = 127
 _E8M0_NAN = 255
+
+
+class Fp8Recipe(str, enum.Enum):
+    """FP8 recipe for expert GEMM inputs (``fp8=None`` means no FP8)."""
+
+    TENSORWISE = "tensorwise"  # per-tensor current scaling
+    MXFP8 = "mxfp8"  # blocks of 32 elements with power-of-two scales
 
 
 @dataclasses.dataclass

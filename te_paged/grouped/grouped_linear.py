@@ -339,7 +339,7 @@ class GroupedLinear(nn.Module):
                 offsets_E = offsets_from_splits(m_splits, rows)
                 bad = splits_are_invalid(m_splits, rows).to(self.invalid_splits.device)
                 self.invalid_splits.add_(bad)
-            self._check_device_path()
+            self.check_device_path()
             opts = FnOptions(
                 self.fp8_recipe,
                 self.save_original_input,
@@ -377,7 +377,7 @@ class GroupedLinear(nn.Module):
                 else:
                     w.grad += g
 
-    def _check_device_path(self) -> None:
+    def check_device_path(self) -> None:
         if not hasattr(torch, "_grouped_mm"):
             raise RuntimeError(f"torch {torch.__version__} has no torch._grouped_mm (torch>=2.8 "
                                "needed); use use_grouped_tensor=False")  # fmt: skip

@@ -141,7 +141,7 @@ def weighted_activation(
     x: torch.Tensor,
     probs: torch.Tensor,
     *,
-    activation: str,
+    activation: str | Callable[[torch.Tensor], torch.Tensor],
     gated: bool,
     limit: float | None = None,
     linear_offset: float = 0.0,
@@ -150,10 +150,11 @@ def weighted_activation(
     """``act(x) · probs`` or, ``gated``, ``act(gate') · (up' + linear_offset) · probs``, in
     Megatron's unfused op order (see the module docstring). ``x`` is ``[..., C]``, ``probs``
     ``[R]`` or ``[R, 1]`` for ``R`` rows; returns ``[..., F]`` in ``x``'s dtype.
-    ``activation`` names an entry of :data:`ACTIVATION_FUNCTIONS`; ``limit`` clamps the gate
-    from above and ``up`` to ``[-limit, limit]`` (GPT-OSS).
+    ``activation`` is an elementwise function (a registered activation's ``elementwise``, see
+    :mod:`te_paged.grouped.activations`) or names one of :data:`ACTIVATION_FUNCTIONS`;
+    ``limit`` clamps the gate from above and ``up`` to ``[-limit, limit]`` (GPT-OSS).
     """
-    act = ACTIVATION_FUNCTIONS.get(activation)
+    act = activation if callable(activation) else ACTIVATION_FUNCTIONS.get(activation)
     if act is None:
         raise ValueError(f"activation={activation!r} is not one of {sorted(ACTIVATION_FUNCTIONS)}")
     if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.dim() < 1:

@@ -20,6 +20,7 @@ import ctypes
 
 import torch
 
+from te_paged.kernels.backends import StashBackend, register_backend
 from te_paged.kernels.layout import Flag, Meta, State, Tier
 
 __all__ = ["torch_stash_copy", "torch_stash_pop"]
@@ -220,3 +221,6 @@ def torch_stash_pop(
     st[tail_i] += need
     _store(free, free_ints)
     _store(state, st)
+
+
+register_backend(StashBackend("torch", torch_stash_copy, torch_stash_pop, direct=True))

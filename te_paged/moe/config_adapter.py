@@ -12,7 +12,8 @@ import dataclasses
 
 import torch
 
-from te_paged.config import Activation, MoEConfig
+from te_paged.config import MoEConfig
+from te_paged.grouped.activations import ACTIVATIONS, activation_for_function
 
 __all__ = ["as_moe_config"]
 
@@ -20,13 +21,13 @@ __all__ = ["as_moe_config"]
 def _activation(func: object, gated: bool) -> str:
     """te_paged's activation for Megatron's ``(activation_func, gated_linear_unit)``: the
     function is recognised by its name (``F.silu``, ``F.gelu``, ``F.relu``, Megatron's
-    ``quick_gelu`` and ``squared_relu``; see the registry in
-    :mod:`te_paged.grouped.weighted_activation`)."""
+    ``quick_gelu`` and ``squared_relu``, or any registered in
+    :mod:`te_paged.grouped.activations`)."""
     name = getattr(func, "__name__", "")
     try:
-        return Activation.from_function(name, bool(gated)).value
+        return activation_for_function(name, bool(gated)).name
     except ValueError:
-        supported = ", ".join(sorted({a.function for a in Activation}))
+        supported = ", ".join(sorted({a.function for a in ACTIVATIONS.values()}))
         raise ValueError(
             f"activation_func={name or func!r} is not supported by te_paged's experts; "
             f"supported (gated or not): {supported}"

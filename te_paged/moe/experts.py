@@ -24,62 +24,22 @@ Nothing in forward or backward reads ``tokens_per_expert`` on the host.
 from __future__ import annotations
 
 import contextlib
-import functools
-from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from te_paged.config import Activation, MoEConfig
-from te_paged.grouped import GroupedLinear, grouped_mm, weighted_quick_geglu, weighted_swiglu
-from te_paged.grouped.grouped_tensor import (
-    group_ids_from_offsets,
-    offsets_from_splits,
-    row_mask_from_offsets,
-    splits_are_invalid,
-)
-from te_paged.grouped.weighted_activation import (
-    fused_weighted_squared_relu,
-    weighted_activation,
-)
+from te_paged.grouped import GroupedLinear
+from te_paged.grouped.grouped_tensor import offsets_from_splits, splits_are_invalid
 from te_paged.kernels.layout import Flag
 from te_paged.markers import mark_grouped_tensor
 from te_paged.moe.config_adapter import as_moe_config
+from te_paged.moe.expert_ops import activation_function, apply_packed_bias, pre_fc1_probs
+from te_paged.moe.fused_mlp import fused_grouped_mlp
 from te_paged.moe.participant import PagedStashParticipant
 from te_paged.moe.recompute import CheckpointWithoutOutput
 from te_paged.stash import PagedStashManager
 
 __all__ = ["TEGroupedMLP"]
-
-
-def activation_function(cfg: MoEConfig, num_rows: torch.Tensor) -> Callable:
-    """``act(h_TC, probs_T) -> a_TF`` for ``cfg``, probability-weighted, as Megatron's
-    ``TEGroupedMLP`` computes it: with ``bias_activation_fusion`` SwiGLU and QuickGeGLU use the
-    fused kernels (computed in fp32, rounded once: the numerics of Megatron's compiled fused
-    kernels), ``use_fused_weighted_squared_relu`` Megatron's fused squared ReLU; everything else
-    Megatron's unfused op order (rounded per op, bit for bit)."""
-    kind = cfg.activation_type
-    if cfg.bias_activation_fusion and kind.has_fused_kernel:
-        fp8 = cfg.fp8 if cfg.activation_func_fp8_input_store else None
-        common = {"fp8_input_store": fp8, "paged_stash": cfg.moe_paged_stash, "num_rows": num_rows}
-        if kind is Activation.SWIGLU:
-            return functools.partial(weighted_swiglu, **common)
-        return functools.partial(
-            weighted_quick_geglu,
-            limit=cfg.activation_func_clamp_value,
-            linear_offset=cfg.glu_linear_offset,
-            **common,
-        )
-    if cfg.use_fused_weighted_squared_relu:  # MoEConfig checked: activation is squared_relu
-        return functools.partial(fused_weighted_squared_relu, paged_stash=cfg.moe_paged_stash)
-    return functools.partial(
-        weighted_activation,
-        activation=kind.function,
-        gated=kind.is_gated,
-        limit=cfg.activation_func_clamp_value,
-        linear_offset=cfg.glu_linear_offset,
-        paged_stash=cfg.moe_paged_stash,
-    )
 
 
 class TEGroupedMLP(nn.Module, PagedStashParticipant):
@@ -146,11 +106,6 @@ class TEGroupedMLP(nn.Module, PagedStashParticipant):
         if cfg.moe_paged_stash and manager is None:
             manager = PagedStashManager.from_config(cfg, device or "cpu")
         self.manager = manager
-        if cfg.use_transformer_engine_op_fuser and not cfg.activation_type.has_fused_kernel:
-            raise ValueError(
-                "use_transformer_engine_op_fuser=True fuses SwiGLU/QuickGeGLU only; got "
-                f"activation={cfg.activation!r}: use the non-op-fuser path for it"
-            )
         if cfg.use_transformer_engine_op_fuser and not cfg.moe_use_grouped_tensor:
             raise ValueError(
                 "use_transformer_engine_op_fuser=True runs the device-initiated grouped GEMMs: "
@@ -213,8 +168,6 @@ class TEGroupedMLP(nn.Module, PagedStashParticipant):
             self.manager.flags[Flag.INVALID] += splits_are_invalid(splits_E, rows)
         with self._stash_scope(rows, num_tokens):
             if self.config.use_transformer_engine_op_fuser:
-                from te_paged.moe.fused_mlp import fused_grouped_mlp
-
                 out_TH = fused_grouped_mlp(self, x_TH, splits_E, offsets_E, probs_T, num_tokens)
             else:
                 out_TH = self._unfused_forward(x_TH, splits_E, offsets_E, probs_T, num_tokens)
@@ -242,59 +195,3 @@ class TEGroupedMLP(nn.Module, PagedStashParticipant):
         if b_EH is None:
             return y_TH
         return apply_packed_bias(y_TH, b_EH, offsets_E, act_probs_T, paged)
-
-
-def pre_fc1_probs(
-    cfg: MoEConfig, x_TH: torch.Tensor, probs_T: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(FC1 input, activation probabilities)``: with ``moe_apply_probs_on_input`` the input
-    is scaled by the probabilities and the activation gets ones, else both pass unchanged.
-
-    Megatron's order: ``(probs[:, None] · x).to(x.dtype)`` — the product in the promoted dtype
-    (fp32 probabilities with bf16 ``x``: fp32), rounded once.
-
-    Marker call site 1: the multiply saves both of its operands; with ``moe_paged_stash`` they
-    are marked (fresh aliases, so the caller's tensors stay unmarked).
-    """
-    if not cfg.moe_apply_probs_on_input:
-        return x_TH, probs_T
-    x_in, p_T1 = x_TH.view_as(x_TH), probs_T.reshape(-1, 1)
-    if cfg.moe_paged_stash:
-        mark_grouped_tensor(x_in, p_T1)
-    return (p_T1 * x_in).to(x_TH.dtype), torch.ones_like(probs_T)
-
-
-def apply_packed_bias(
-    y_TH: torch.Tensor,
-    b_EH: torch.Tensor,
-    offsets_E: torch.Tensor,
-    probs_T: torch.Tensor,
-    paged_stash: bool,
-) -> torch.Tensor:
-    """``(y + b[expert(row)] · prob(row)).to(y.dtype)`` on real rows, 0 on padding rows.
-
-    Megatron's order (``TEGroupedMLP._apply_bias``): the product and the sum in the promoted
-    dtype (fp32 probabilities: fp32), rounded once. On the CPU, where reading the offsets costs
-    no synchronisation, it is computed as Megatron does, one expert's rows at a time, so the
-    bias gradient is Megatron's per-expert sum bit for bit; on an accelerator with a gather of
-    the bias rows (no host read), whose multiply saves its two token-major operands (``[T, H]``
-    bias rows and ``[T, 1]`` probabilities) — with ``paged_stash`` they are marked, decided by
-    the config so it holds when a recompute wrapper hands in detached operands.
-    """
-    rows = y_TH.shape[0]
-    p_T1 = probs_T.reshape(-1, 1)
-    if grouped_mm._host_reads_are_free(y_TH):
-        ends = offsets_E.tolist()
-        starts = [0, *ends[:-1]]
-        parts = [
-            y_TH[r0:r1] + b_EH[e] * p_T1[r0:r1] for e, (r0, r1) in enumerate(zip(starts, ends))
-        ]
-        pad = y_TH.new_zeros(rows - ends[-1], y_TH.shape[1], dtype=parts[0].dtype)
-        return torch.cat([*parts, pad]).to(y_TH.dtype)
-    group_T = group_ids_from_offsets(offsets_E, rows).clamp_(max=b_EH.shape[0] - 1)
-    b_TH = b_EH.index_select(0, group_T)
-    if paged_stash:
-        mark_grouped_tensor(b_TH, p_T1)
-    out_TH = (y_TH + b_TH * p_T1).to(y_TH.dtype)
-    pad_T1 = ~row_mask_from_offsets(offsets_E, rows).unsqueeze(1)
-    return out_TH.masked_fill(pad_T1, 0)

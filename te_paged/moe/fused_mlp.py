@@ -18,9 +18,10 @@ import dataclasses
 
 import torch
 
-from te_paged.config import Activation, Fp8Recipe
-from te_paged.grouped.activations import _WeightedQuickGeGLU, _WeightedSwiGLU
+from te_paged.grouped.activations import ActivationSpec, load_saved_inputs
+from te_paged.grouped.fp8 import Fp8Recipe
 from te_paged.grouped.grouped_mm import FnOptions, GroupedLinearFn
+from te_paged.moe.expert_ops import apply_packed_bias, pre_fc1_probs
 
 __all__ = ["fused_grouped_mlp"]
 
@@ -42,7 +43,7 @@ class _Spec:
     fc1_recipe: Fp8Recipe | None
     fc2_recipe: Fp8Recipe | None
     act_recipe: Fp8Recipe | None
-    activation: Activation
+    activation: ActivationSpec  # one with a fused kernel (MoEConfig checked)
     limit: float | None
     linear_offset: float
     paged_stash: bool
@@ -53,25 +54,15 @@ class _Spec:
 
 
 def _act_forward(spec: _Spec, ctx: _SubCtx, h_TC, probs_T, num_rows):
-    if spec.activation is Activation.SWIGLU:
-        return _WeightedSwiGLU.forward(
-            ctx, h_TC, probs_T, spec.act_recipe, spec.paged_stash, num_rows
-        )
-    return _WeightedQuickGeGLU.forward(
-        ctx,
-        h_TC,
-        probs_T,
-        spec.act_recipe,
-        spec.paged_stash,
-        num_rows,
-        spec.limit,
+    """The registered activation's fused kernel: its forward, driven with a stand-in ctx."""
+    return spec.activation.fused.forward(
+        ctx, h_TC, probs_T, spec.act_recipe, spec.paged_stash, num_rows, spec.limit,
         spec.linear_offset,
-    )
+    )  # fmt: skip
 
 
 def _act_backward(spec: _Spec, ctx: _SubCtx, da_TF):
-    fn = _WeightedSwiGLU if spec.activation is Activation.SWIGLU else _WeightedQuickGeGLU
-    return fn.backward(ctx, da_TF)[:2]
+    return spec.activation.fused.backward(ctx, da_TF)[:2]
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -84,7 +75,7 @@ class _FusedGroupedMLP(torch.autograd.Function):
     Saves exactly what the unfused modules save (FC1's input or its FP8 parts, the activation's
     input and probabilities, FC2's input or its FP8 parts, offsets, weights), minus FC2's input
     under ``moe_act`` recompute; see :class:`~te_paged.grouped.grouped_mm.GroupedLinearFn`
-    and :class:`~te_paged.grouped.activations._WeightedSwiGLU` for the bytes.
+    and :class:`~te_paged.grouped.activations.WeightedSwiGLUFunction` for the bytes.
     """
 
     @staticmethod
@@ -156,22 +147,18 @@ class _FusedGroupedMLP(torch.autograd.Function):
 
 def _recompute_inputs(c2: _SubCtx) -> tuple[torch.Tensor, torch.Tensor]:
     """The activation's input and probabilities, as its forward received them."""
-    from te_paged.grouped.activations import _load_inputs
-
-    x_RC, probs_R = _load_inputs(c2)
+    x_RC, probs_R = load_saved_inputs(c2)
     return x_RC.to(c2.x_dtype).view(c2.x_shape), probs_R.view(c2.probs_shape)
 
 
 def fused_grouped_mlp(mlp, x_TH, splits_E, offsets_E, probs_T, num_tokens) -> torch.Tensor:
     """The op-fuser forward of ``mlp`` (a :class:`TEGroupedMLP`); same result as unfused."""
-    from te_paged.moe.experts import apply_packed_bias, pre_fc1_probs
-
     cfg = mlp.config
     fc1, fc2 = mlp.linear_fc1, mlp.linear_fc2
     x_TH, act_probs_T = pre_fc1_probs(cfg, x_TH, probs_T)
     dtype = x_TH.dtype
     for linear in (fc1, fc2):
-        linear._check_device_path()
+        linear.check_device_path()
     w1 = [w.to(dtype) for w in fc1.weight_params()]
     b1 = [b.to(dtype) for b in fc1.bias_params()]
     w2 = [w.to(dtype) for w in fc2.weight_params()]

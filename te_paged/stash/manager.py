@@ -36,13 +36,12 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from te_paged.config.checks import (
     require_bool,
-    require_choice,
     require_device,
     require_int,
     require_real,
 )
+from te_paged.kernels import KernelBackend, backend_choices, resolve_backend, stash_copy, stash_pop
 from te_paged.kernels.layout import FLAGS_LEN, META_LEN, Flag, Meta, State, Tier
-from te_paged.kernels.ops import KernelBackend, resolve_backend, stash_copy, stash_pop
 from te_paged.markers import (
     MarkerKind,
     grouped_tensor_marker,
@@ -146,7 +145,10 @@ class PagedStashManager:
         )  # 0 device pages: every stash would spill or overflow
         buffer_size_factor_cpu = require_real("buffer_size_factor_cpu", buffer_size_factor_cpu)
         device = require_device("device", device)
-        kernel_backend = require_choice("kernel_backend", kernel_backend, KernelBackend)
+        kernel_backend = getattr(kernel_backend, "value", kernel_backend)
+        if kernel_backend not in backend_choices():
+            allowed = ", ".join(repr(n) for n in backend_choices())
+            raise ValueError(f"kernel_backend={kernel_backend!r} is not one of {allowed}")
         require_bool("zero_padding", zero_padding)
         require_bool("record_timeline", record_timeline)
         self.page_size = page_size

@@ -23,7 +23,7 @@ def test_import_without_triton_or_te_touches_no_cuda() -> None:
             getattr(te_paged, n)
         # the CPU reference path works without Triton
         m = te_paged.PagedStashManager(page_size=4)
-        assert m.backend is te_paged.KernelBackend.TORCH
+        assert m.backend.name == te_paged.KernelBackend.TORCH
         print("ok")
         """
     )

@@ -61,9 +61,9 @@ def test_defaults() -> None:
     }
     assert dataclasses.asdict(cfg) == expected
     assert {f.name for f in dataclasses.fields(MoEConfig)} == set(expected)
-    assert cfg.activation_type is Activation.SWIGLU
+    assert cfg.activation_type.name == Activation.SWIGLU and cfg.activation_type.gated
     assert cfg.fp8_recipe is None
-    assert cfg.kernel_backend is KernelBackend.AUTO
+    assert cfg.kernel_backend == KernelBackend.AUTO == "auto"
 
 
 @pytest.mark.parametrize(
@@ -82,13 +82,12 @@ def test_defaults() -> None:
             },
             id="non_op_fuser_quick_geglu",
         ),
-        # The op-fuser path keeps its own activation support: none of the non-op-fuser limits.
+        # The op-fuser path runs the fused kernel whatever bias_activation_fusion says.
         pytest.param(
             {
                 "use_transformer_engine_op_fuser": True,
-                "activation": "gelu",
-                "gated_linear_unit": False,
-                "moe_use_grouped_tensor": False,
+                "activation": "quick_geglu",
+                "activation_func_clamp_value": 7.0,
                 "bias_activation_fusion": False,
                 "expert_model_parallel_size": 4,
             },
@@ -256,13 +255,30 @@ REJECTIONS = [
         for name in ("hidden_size", "moe_ffn_hidden_size")
     ],
     # 8: choices, recompute, activation consistency.
-    _rejection("unknown_activation", {"activation": "relu"}, "activation='relu'", "'swiglu'"),
+    _rejection(
+        "unknown_activation",
+        {"activation": "tanh"},
+        "activation='tanh' is not registered",
+        "'swiglu'",
+    ),
+    _rejection(
+        "op_fuser_without_a_fused_kernel",
+        {"use_transformer_engine_op_fuser": True, "activation": "geglu"},
+        "use_transformer_engine_op_fuser=True fuses an activation with a fused kernel",
+        "use the non-op-fuser path",
+    ),
+    _rejection(
+        "clamp_with_the_fused_swiglu",
+        {"activation_func_clamp_value": 7.0},
+        "the fused 'swiglu' kernel has no clamp",
+        "set bias_activation_fusion=False",
+    ),
     _rejection("unknown_fp8", {"fp8": "e4m3"}, "fp8='e4m3'", "None or one of 'tensorwise'"),
     _rejection(
         "unknown_kernel_backend",
         {"moe_paged_stash_kernel_backend": "cuda"},
         "moe_paged_stash_kernel_backend='cuda'",
-        "one of 'auto', 'triton', 'torch'",
+        "one of 'auto', 'torch', 'triton'",
     ),
     _rejection(
         "unknown_granularity",
@@ -399,9 +415,9 @@ def test_enum_members_are_normalised_to_strings() -> None:
     assert type(cfg.fp8) is str and cfg.fp8 == "mxfp8"
     assert cfg.recompute_granularity == "selective"
     assert [type(m) for m in cfg.recompute_modules] == [str] and cfg.recompute_moe_act
-    assert cfg.activation_type is Activation.QUICK_GEGLU
+    assert cfg.activation_type.name == Activation.QUICK_GEGLU
     assert cfg.fp8_recipe is Fp8Recipe.MXFP8
-    assert cfg.kernel_backend is KernelBackend.TORCH
+    assert type(cfg.kernel_backend) is str and cfg.kernel_backend == KernelBackend.TORCH
 
 
 def test_derived_properties() -> None:

@@ -9,7 +9,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from te_paged.kernels import KernelBackend, State, stash_copy, stash_pop
+from te_paged.kernels import KernelBackend, State, get_backend, stash_copy, stash_pop
 from te_paged.kernels.layout import FLAGS_LEN, META_LEN
 from te_paged.kernels.ops import _direct
 from te_paged.stash import PagedStashBuffer, StashKey
@@ -47,9 +47,10 @@ def _round_trip(mode=None) -> tuple[torch.Tensor, PagedStashBuffer]:
 
 def test_plain_eager_calls_the_kernel_directly() -> None:
     x = torch.zeros(2)
-    assert _direct(KernelBackend.TORCH, x)
-    assert not _direct(KernelBackend.TRITON, x)
-    assert not _direct(KernelBackend.TORCH, torch.nn.Parameter(x))  # a subclass: the op
+    torch_kernels, triton_kernels = get_backend(KernelBackend.TORCH), get_backend("triton")
+    assert _direct(torch_kernels, x)
+    assert not _direct(triton_kernels, x)
+    assert not _direct(torch_kernels, torch.nn.Parameter(x))  # a subclass: the op
 
 
 def test_a_dispatch_mode_sees_one_opaque_op_and_the_same_result() -> None:
@@ -63,19 +64,19 @@ def test_a_dispatch_mode_sees_one_opaque_op_and_the_same_result() -> None:
 
 def test_a_function_mode_gets_the_op() -> None:
     with _PassThrough():
-        assert not _direct(KernelBackend.TORCH, torch.zeros(2))
+        assert not _direct(get_backend(KernelBackend.TORCH), torch.zeros(2))
     _round_trip(_PassThrough())
 
 
 def test_auto_on_cuda_without_triton_refuses_the_syncing_fallback(monkeypatch) -> None:
     # Before: `auto` silently picked the reference kernels, which read counts on the host, so
     # sync-freedom and graph capture broke with no word.
-    from te_paged.kernels import ops
+    from te_paged.kernels import resolve_backend, triton_backend
 
-    monkeypatch.setattr(ops, "triton_available", lambda: (False, "triton is not installed"))
+    monkeypatch.setattr(triton_backend, "triton_available", lambda: (False, "it is not installed"))
     with pytest.raises(ValueError, match="set moe_paged_stash_kernel_backend='torch' to accept"):
-        ops.resolve_backend("auto", torch.device("cuda"))
-    assert ops.resolve_backend("auto", torch.device("cpu")) is ops.KernelBackend.TORCH
-    assert ops.resolve_backend("torch", torch.device("cuda")) is ops.KernelBackend.TORCH
-    monkeypatch.setattr(ops, "triton_available", lambda: (True, ""))
-    assert ops.resolve_backend("auto", torch.device("cuda")) is ops.KernelBackend.TRITON
+        resolve_backend("auto", torch.device("cuda"))
+    assert resolve_backend("auto", torch.device("cpu")).name == "torch"
+    assert resolve_backend("torch", torch.device("cuda")).name == "torch"
+    monkeypatch.setattr(triton_backend, "triton_available", lambda: (True, ""))
+    assert resolve_backend("auto", torch.device("cuda")).name == "triton"

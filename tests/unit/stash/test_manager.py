@@ -296,7 +296,7 @@ def test_from_config() -> None:
         ({"device": "nonsense"}, ValueError, "device='nonsense' is not a device"),
         ({"device": 3}, TypeError, "device must be a torch.device or a string"),
         ({"kernel_backend": "cuda"}, ValueError, "kernel_backend='cuda' is not one of 'auto', "
-         "'triton', 'torch'"),
+         "'torch', 'triton'"),
         ({"zero_padding": "yes"}, TypeError, "zero_padding must be True or False"),
     ],
 )  # fmt: skip

@@ -1,0 +1,48 @@
+"""The ``triton`` stash backend: :mod:`te_paged.kernels.triton_stash`, imported on first use
+(choosing a backend must not pay for, or initialise, Triton)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from te_paged.kernels.backends import StashBackend, register_backend
+
+__all__ = ["triton_available"]
+
+
+def triton_available() -> tuple[bool, str]:
+    """``(ok, reason)``: whether the Triton kernels can run here."""
+    if importlib.util.find_spec("triton") is None:
+        return False, "triton is not installed (pip install 'te_paged[triton]')"
+    return True, ""
+
+
+def _available(device: torch.device) -> tuple[bool, str]:
+    ok, reason = triton_available()
+    if not ok:
+        return ok, reason
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        # TRITON_INTERPRET is read here and nowhere else.
+        return False, (
+            f"on device {device} it needs Triton's interpreter: set TRITON_INTERPRET=1 before "
+            "importing te_paged, or use 'torch'"
+        )
+    return True, ""
+
+
+def _copy(*args: object) -> None:
+    from te_paged.kernels.triton_stash import triton_stash_copy
+
+    triton_stash_copy(*args)
+
+
+def _pop(*args: object) -> None:
+    from te_paged.kernels.triton_stash import triton_stash_pop
+
+    triton_stash_pop(*args)
+
+
+register_backend(StashBackend("triton", _copy, _pop, available=_available, sync_free=True))
