@@ -12,10 +12,11 @@ Four ways to compute the same expert GEMMs on a static ``[rows, hidden]`` buffer
 * ``loop``: the bare per-expert ``F.linear`` loop on leaf weights (no module), the floor of
   what host-split code can do.
 
-Each timing is forward + backward (input and weight gradients) of one layer ``hidden -> ffn``,
-the median of ``--repeats`` runs after ``--warmup`` runs. Ratios are ``other / device`` (above
-1.0: the device path is faster). Before timing, outputs and gradients of the four are checked
-to be bitwise equal (the device path runs one ``mm`` per group on CPU).
+Each timing is forward + backward (input and weight gradients) of one layer ``hidden -> ffn``:
+``--warmup`` calls, then the median of ``--repeats`` calls timed by
+``torch.utils.benchmark.Timer`` (each after the Timer's own two warm-up calls). Ratios are
+``other / device`` (above 1.0: the device path is faster). Before timing, outputs and gradients
+of the four are checked to be bitwise equal (the device path runs one ``mm`` per group on CPU).
 
     python benchmarks/bench_grouped_linear.py --out benchmarks/results/grouped_linear-<date>.md
 """
@@ -25,15 +26,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import platform
-import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from te_paged.grouped import GroupedLinear
+from te_paged.tools.bench import median_of, timer
+from te_paged.tools.progress import Progress
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,12 +70,8 @@ class Result:
 def _median_time(fn: Callable[[], None], warmup: int, repeats: int) -> float:
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    t = timer(fn)
+    return median_of([t.timeit(1) for _ in range(repeats)])
 
 
 def _splits(cfg: Config) -> list[int]:
@@ -149,7 +146,8 @@ def report(results: list[Result], argv: list[str], warmup: int, repeats: int) ->
         f"Command: `python benchmarks/bench_grouped_linear.py {' '.join(argv)}`  ",
         f"Machine: {platform.machine()}, {torch.get_num_threads()} threads, CPU, torch "
         f"{torch.__version__}; no bias; capacity factor {results[0].config.capacity} (real "
-        f"rows = rows / capacity, skewed routing); median of {repeats} after {warmup} warm-up. "
+        f"rows = rows / capacity, skewed routing); median of {repeats} "
+        f"(torch.utils.benchmark.Timer) after {warmup} warm-up. "
         "Outputs and gradients of the four were checked bitwise equal first.",
         "",
         "| config | real rows | device ms | device-discrete ms | legacy ms | loop ms "
@@ -166,24 +164,32 @@ def report(results: list[Result], argv: list[str], warmup: int, repeats: int) ->
     return "\n".join(lines) + "\n"
 
 
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--experts", type=int, default=8, help="experts (%(default)s)")
+    p.add_argument("--shapes", nargs="+", default=["512x1024x4096", "1024x2048x8192"],
+                   help="HIDDENxFFNxROWS, ROWS the static buffer (%(default)s)")  # fmt: skip
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
+                   help="parameter and input dtypes (%(default)s)")  # fmt: skip
+    p.add_argument("--warmup", type=int, default=2,
+                   help="untimed calls before timing (%(default)s)")  # fmt: skip
+    p.add_argument("--repeats", type=int, default=5,
+                   help="timed calls, of which the median is reported (%(default)s)")  # fmt: skip
+    p.add_argument("--out", help="write the Markdown report here too")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--shapes", nargs="+", default=["512x1024x4096", "1024x2048x8192"],
-                   help="HIDDENxFFNxROWS")  # fmt: skip
-    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--out", help="write the Markdown report here too")
-    args = p.parse_args(argv)
+    args = parser().parse_args(argv)
     results = []
-    for shape in args.shapes:
-        hidden, ffn, rows = (int(v) for v in shape.split("x"))
-        for dtype in args.dtypes:
-            cfg = Config(args.experts, hidden, ffn, rows, getattr(torch, dtype))
-            results.append(run_config(cfg, args.warmup, args.repeats))
-            print(f"{cfg.label} done", file=sys.stderr)
+    with Progress(len(args.shapes) * len(args.dtypes), "bench_grouped_linear") as progress:
+        for shape in args.shapes:
+            hidden, ffn, rows = (int(v) for v in shape.split("x"))
+            for dtype in args.dtypes:
+                cfg = Config(args.experts, hidden, ffn, rows, getattr(torch, dtype))
+                results.append(run_config(cfg, args.warmup, args.repeats))
+                progress(cfg.label)
     text = report(results, argv, args.warmup, args.repeats)
     print(text)
     if args.out:

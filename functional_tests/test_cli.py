@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from te_paged.tools import ab as ab_module
 from te_paged.tools import ab_command
 
 from .launch import REPO_ROOT, torchrun
+from .test_run_record import check_record
 
 SMALL = [
     "--layers",
@@ -55,6 +55,8 @@ def test_help_lists_every_command_and_flag() -> None:
         "--layers",
         "--capacity-factor",
         "--buffer-factor-cuda",
+        "--moe-paged-stash-buffer-size-factor-cuda",
+        "--device",
         "--fp8",
         "--recompute",
         "--op-fuser",
@@ -83,7 +85,13 @@ def test_ab_spawns_ranks_and_writes_json_plot_and_profile(tmp_path) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "| step | loss ON | loss OFF |" in proc.stdout and "bitwise equal" in proc.stdout
     assert "measured / predicted" in proc.stdout and "MemTracker" in proc.stdout
-    data = json.loads(js.read_text())
+    # Piped, the progress is a line per step as it finishes (before: nothing off a terminal).
+    progress = [line for line in proc.stderr.splitlines() if line.startswith("te-paged ab (")]
+    assert "\r" not in proc.stderr and len(progress) == 1 + 2 * 3, proc.stderr[-3000:]
+    assert progress[0].startswith("te-paged ab (2 ranks, cpu) 0/6 [")
+    done = [f"{run} step {i}/3]" for run in ("OFF", "ON ") for i in (1, 2, 3)]
+    assert [line[-len(d) :] for line, d in zip(progress[1:], done)] == done, progress
+    data = check_record(js)  # strict JSON, valid against the schema
     assert data["world_size"] == 2 and len(data["ranks"]) == 2
     assert all(all(r["grads_equal"]) for r in data["ranks"])
     assert data["memory"]["pool_bytes"] > 0 and data["memory"]["S_bytes"] > 0
@@ -119,7 +127,7 @@ def test_ab_under_torchrun_uses_the_launchers_ranks(tmp_path) -> None:
         timeout_s=240,
     )
     assert "| step | loss ON" in out
-    data = json.loads(js.read_text())
+    data = check_record(js)  # strict JSON, valid against the schema
     assert data["world_size"] == 4
     # the skew forces rank 0 over its budget: every step reruns, and ON still equals OFF
     on = data["ranks"][0]["on"]
@@ -149,21 +157,20 @@ def test_plan_named_model_reproduces_the_maxtext_table() -> None:
         "plan",
         "--model",
         "deepseek-v3",
-        "--seq",
+        "--seq-length",
         "4096",
-        "--batch",
+        "--micro-batch-size",
         "2",
         "--ep",
         "4",
         "--layers",
         "60",
         "--ring-of-experts",
-        "--capacity-factor",
-        "1",
-        "--buffer-factor",
+        "--buffer-factor-cuda",
         "1",
     )
     assert proc.returncode == 0, proc.stderr
+    assert "effective capacity factor: 4.00 (= EP: each rank's buffer holds all 4" in proc.stdout
     assert "worst case 262,144, balanced 65,536" in proc.stdout
     assert "3.50 GiB per layer, 210.00 GiB over all layers static; 52.50 GiB" in proc.stdout
 
@@ -176,6 +183,9 @@ def test_plan_says_a_totals_only_profile_gives_a_lower_bound(tmp_path) -> None:
     totals = te_paged("plan", "--profile", str(tmp_path / "totals.json"))
     pairs = te_paged("plan", "--profile", str(tmp_path / "pairs.json"))
     assert totals.returncode == pairs.returncode == 0
+    # one profiled step cannot show a 1 % rerun rate: said, on stderr, with what would
+    assert "profile has 1 step(s), too few for a 1.00% rerun rate" in totals.stderr
+    assert "record at least 100 steps" in totals.stderr
     assert "moe_expert_rank_capacity_factor        = 1.00" in totals.stdout
     assert "so the capacity factor is a lower bound" in totals.stdout
     assert "moe_expert_rank_capacity_factor        = 2.00" in pairs.stdout
@@ -198,14 +208,17 @@ def test_bench_writes_reports_with_the_command(tmp_path) -> None:
         "2",
         "--out-dir",
         str(tmp_path),
-        *SMALL,
+        *[a for a in SMALL if a not in ("--steps", "3")],  # bench times steps by --repeats
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     reports = sorted(p.name for p in tmp_path.iterdir())
     assert [r.split("-")[0] for r in reports] == ["stash", "step_time"]
     text = (tmp_path / reports[0]).read_text()
     assert "Command: `te-paged bench" in text and "| 64 | 128 |" in text
-    assert "ON / OFF" in (tmp_path / reports[1]).read_text()
+    assert "median of 2 (torch.utils.benchmark.Timer)" in text
+    step = (tmp_path / reports[1]).read_text()
+    assert "ON / OFF" in step and "median of 2 (torch.utils.benchmark.Timer)" in step
+    assert "te-paged bench: stash 1/1 [" in proc.stderr  # a line per case when piped
 
 
 BAD_ARGUMENTS = [
@@ -213,10 +226,13 @@ BAD_ARGUMENTS = [
     (["ab", "--nproc", "0"], "argument --nproc: must be >= 1, got 0"),
     (["ab", "--layers", "0"], "argument --layers: must be >= 1, got 0"),
     (["ab", "--steps", "0"], "argument --steps: must be >= 1"),
+    (["ab", "--steps", "1"], "--steps 1: step 0 is the stash's capture step (no pool yet), so "
+     "measuring the saving needs at least 2 steps"),
+    (["ab", "--engine", "megatron", "--steps", "1"], "saving needs at least 2 steps"),
     (["ab", "--tokens", "abc"], "argument --tokens: expected an integer, got 'abc'"),
-    (["ab", "--capacity-factor", "-2"], "argument --capacity-factor: must be a finite number > 0"),
-    (["ab", "--buffer-factor-cuda", "nan"], "argument --buffer-factor-cuda: must be a finite"),
-    (["ab", "--buffer-factor-cpu", "-1"], "argument --buffer-factor-cpu: must be a finite"),
+    (["ab", "--capacity-factor", "-2"], "-capacity-factor: must be a finite number > 0"),
+    (["ab", "--buffer-factor-cuda", "nan"], "-buffer-size-factor-cuda: must be a finite"),
+    (["ab", "--buffer-factor-cpu", "-1"], "-buffer-size-factor-cpu: must be a finite"),
     (["ab", "--topk", "9"], "--topk 9 exceeds --experts 8"),
     (["ab", "--fp8", "mxfp8", "--hidden", "48"], "multiple of 32"),
     (["ab", "--timeout", "0"], "argument --timeout: must be a finite number >= 1"),
@@ -228,16 +244,25 @@ BAD_ARGUMENTS = [
     (["plan"], "give exactly one of --profile or --model"),
     (["plan", "--model", "deepseek-v3", "--ep", "0"], "argument --ep: must be >= 1, got 0"),
     (["plan", "--model", "deepseek-v3", "--ep", "7"], "--ep 7 does not divide deepseek-v3's 256"),
-    (["plan", "--model", "deepseek-v3", "--seq", "-1"], "argument --seq: must be >= 1, got -1"),
-    (["plan", "--model", "deepseek-v3", "--capacity-factor", "-2"], "--capacity-factor: must"),
-    (["plan", "--model", "deepseek-v3", "--buffer-factor", "nan"], "--buffer-factor: must be"),
+    (["plan", "--model", "deepseek-v3", "--seq-length", "-1"], "--seq-length: must be >= 1"),
+    (["plan", "--model", "deepseek-v3", "--capacity-factor", "-2"], "-capacity-factor: must"),
+    (["plan", "--model", "deepseek-v3", "--buffer-factor-cuda", "nan"], "-cuda: must be"),
     (["plan", "--model", "deepseek-v3", "--dtype-bytes", "0"], "invalid choice: 0"),
     (["plan", "--profile", "/nonexistent/p.json"], "--profile /nonexistent/p.json: no such file"),
     (["plan", "--profile", "x.json", "--target-rerun-rate", "1"], "--target-rerun-rate: must"),
     (["bench", "--repeats", "0"], "argument --repeats: must be >= 1"),
     (["bench", "--hidden-sizes", "0"], "argument --hidden-sizes: must be >= 1"),
     (["bench", "--device", "cuda"], "--device cuda but CUDA is not available"),
-]
+    # options that exclude each other
+    (["plan", "--profile", "p.json", "--model", "deepseek-v3"], "--model: not allowed with"),
+    (["plan", "--model", "deepseek-v3", "--ring-of-experts", "--capacity-factor", "1"],
+     "not allowed with argument --ring-of-experts"),
+    (["plan", "--profile", "p.json", "--seq-length", "8"], "--seq-length: only with --model"),
+    (["ab", "--seq-length", "64"], "--seq-length: only with --engine megatron"),
+    (["ab", "--engine", "megatron", "--tokens", "64"], "--tokens: not with --engine megatron"),
+    (["bench", "--only", "stash", "--layers", "2"], "--layers: only for the step benchmark"),
+    (["bench", "--only", "step", "--token-counts", "8"], "--token-counts: only for the stash"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -306,7 +331,7 @@ def test_ab_engine_megatron_default_model_is_bitwise_and_saves_memory(tmp_path) 
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "| step | loss ON | loss OFF |" in proc.stdout and "bitwise equal" in proc.stdout
     assert "Traceback" not in proc.stderr
-    data = json.loads(js.read_text())
+    data = check_record(js)  # strict JSON, valid against the schema
     assert data["engine"] == "megatron" and data["world_size"] == 4
     assert data["config"]["layers"] == 4 and data["config"]["dropout"] == 0.1
     for rank in data["ranks"]:
@@ -325,7 +350,7 @@ def test_ab_engine_megatron_forced_reruns_stay_bitwise(tmp_path) -> None:
         "--capacity-factor", "1.2", "--json", str(js),  # a budget the skewed steps overrun
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
-    data = json.loads(js.read_text())
+    data = check_record(js)  # strict JSON, valid against the schema
     on = data["ranks"][0]["on"]
     assert [s["attempt"] for s in on] == [2, 2] and all(s["overbudget_ranks"] for s in on)
     assert all(all(r["grads_equal"]) for r in data["ranks"])

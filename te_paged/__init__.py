@@ -3,6 +3,7 @@
 Importing this package touches no CUDA state and needs neither Triton nor Transformer Engine.
 """
 
+from te_paged._version import __version__ as __version__  # re-exported: the one source
 from te_paged.config import MoEConfig
 from te_paged.grouped import (
     Fp8Recipe,
@@ -32,8 +33,6 @@ from te_paged.moe import (
 )
 from te_paged.runtime import FallbackLimitError, PagedStashRunner, StepDesyncError, StepRecord
 from te_paged.stash import PagedStashBuffer, PagedStashManager, StashKey, StashMode, StashStats
-
-__version__ = "0.1.0"
 
 __all__ = [
     "CheckpointWithoutOutput",

@@ -3,14 +3,23 @@
     te-paged ab     [--nproc 4] [model and run flags] [--json P] [--plot P] [--record-profile P]
     te-paged ab     --engine megatron [--ep 2] [--dropout 0.1] [--overlap-grad-reduce] ...
     te-paged plan   --profile PATH [--target-rerun-rate R] [--host-spill]
-    te-paged plan   --model deepseek-v3 --seq 4096 --batch 2 --ep 4 [--ring-of-experts]
+    te-paged plan   --model deepseek-v3 --seq-length 4096 --micro-batch-size 2 --ep 4 \
+                    [--ring-of-experts | --capacity-factor F]
     te-paged bench  [--only stash|step] [--out-dir benchmarks/results]
+    te-paged --version
 
-``ab`` starts its own ranks (gloo on CPU; ``--device cuda`` uses NCCL, one GPU per rank); under
-``torchrun`` it uses the launcher's ranks instead. Exit status: 0, ON and OFF bitwise equal (or
-the command succeeded); 1, ON and OFF differ; 2, a bad argument (one line, before any work: also
-an output that exists, unless ``--force``, or cannot be written); 3, the run failed (a rank
-errored, stalled or died: one line naming it; ``--traceback`` prints the traceback).
+One flag per knob across the three commands (``--capacity-factor``, ``--buffer-factor-cuda``,
+``--buffer-factor-cpu``, ``--page-size``, ``--seq-length``, ``--micro-batch-size``, ``--ep``,
+``--layers``, ``--hidden``, ``--ffn``, ``--kernel-backend``, ``--device``), each parsed into the
+attribute of its own name; the stash knobs also answer to Megatron-LM's flag
+(:data:`MEGATRON_ALIASES`), so a Megatron command line's values can be pasted as they are.
+
+``ab`` starts its own ranks (gloo on CPU; on CUDA NCCL, one GPU per rank; ``--device auto``, the
+default, takes CUDA when there is a GPU for every rank); under ``torchrun`` it uses the
+launcher's ranks instead. Exit status: 0, ON and OFF bitwise equal (or the command succeeded);
+1, ON and OFF differ; 2, a bad argument (one line, before any work: also an output that exists,
+unless ``--force``, or cannot be written); 3, the run failed (a rank errored, stalled or died:
+one line naming it; ``--traceback`` prints the traceback).
 """
 
 from __future__ import annotations
@@ -22,30 +31,47 @@ from pathlib import Path
 
 from te_paged.tools.argtypes import OneLineParser, integer, real
 
-__all__ = ["main"]
+__all__ = ["MEGATRON_ALIASES", "main"]
+
+#: Megatron-LM's command-line name of each stash knob, accepted as an alias of te_paged's.
+MEGATRON_ALIASES = {
+    "--capacity-factor": "--moe-expert-rank-capacity-factor",
+    "--buffer-factor-cuda": "--moe-paged-stash-buffer-size-factor-cuda",
+    "--buffer-factor-cpu": "--moe-paged-stash-buffer-size-factor-cpu",
+    "--page-size": "--moe-paged-stash-page-size",
+}
+
+
+def _knob(g, flag: str, **kw) -> argparse.Action:
+    """Add ``flag`` (and its Megatron-LM alias) parsed into the attribute of its own name."""
+    return g.add_argument(flag, MEGATRON_ALIASES[flag], dest=flag[2:].replace("-", "_"), **kw)
 
 
 def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
+    """The model and run flags of ``ab`` (``engines``: with the Megatron engine's) and of
+    ``bench``'s step benchmark. Every default is None: the engine's config fills it in, so a
+    flag that was given can be told apart from one that was not (see the ``check_*_args``)."""
+    from te_paged.grouped.activations import ACTIVATIONS
     from te_paged.tools.model import ModelConfig
 
     d = ModelConfig()
-    g = p.add_argument_group("model and run (defaults: the embedded default model)")
     if engines:
         from te_paged.tools.megatron_ab import MegatronModelConfig
 
         m = MegatronModelConfig()
 
-        def dflt(name: str) -> str:  # the two engines' defaults, resolved after parsing
+        def dflt(name: str) -> str:
             a, b = getattr(d, name), getattr(m, name)
             return f"{a}" if a == b else f"{a}; megatron engine {b}"
 
-        sizes = {"default": None}
+        title = "model and run (defaults: the embedded default model)"
     else:
 
         def dflt(name: str) -> str:
             return f"{getattr(d, name)}"
 
-        sizes = {}
+        title = "step benchmark: the ab model (defaults: the embedded default model)"
+    g = p.add_argument_group(title)
     for flag, name, what in (
         ("--layers", "layers", "MoE layers"),
         ("--experts", "experts", "experts"),
@@ -53,41 +79,49 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
         ("--hidden", "hidden", "hidden size"),
         ("--ffn", "ffn", "expert FFN size"),
     ):
-        kw = sizes or {"default": getattr(d, name)}
-        g.add_argument(flag, type=integer(1), help=f"{what} ({dflt(name)})", **kw)
-    g.add_argument(
-        "--tokens",
-        type=integer(1),
-        default=d.tokens,
-        help="tokens per rank (%(default)s; the megatron engine takes --seq-length and "
-        "--micro-batch-size instead)",
+        g.add_argument(flag, type=integer(1), help=f"{what} ({dflt(name)})")
+    megatron_note = (
+        "; not with --engine megatron, which takes --seq-length and --micro-batch-size"
+        if engines
+        else ""
     )
-    g.add_argument(
+    g.add_argument("--tokens", type=integer(1), help=f"tokens per rank ({d.tokens}{megatron_note})")
+    _knob(
+        g,
         "--capacity-factor",
         type=real(0, strict_min=True),
-        default=d.capacity_factor,
-        help="moe_expert_rank_capacity_factor (%(default)s)",
+        metavar="F",
+        help=f"moe_expert_rank_capacity_factor: static expert buffer rows over the balanced "
+        f"case ({dflt('capacity_factor')})",
     )
-    g.add_argument(
+    _knob(
+        g,
         "--buffer-factor-cuda",
         type=real(0, strict_min=True),
-        default=d.buffer_factor_cuda,
-        help="moe_paged_stash_buffer_size_factor_cuda (%(default)s)",
+        metavar="F",
+        help="moe_paged_stash_buffer_size_factor_cuda: the CUDA pool over the balanced case "
+        f"({dflt('buffer_factor_cuda')})",
     )
-    g.add_argument(
+    _knob(
+        g,
         "--buffer-factor-cpu",
         type=real(0),
-        default=d.buffer_factor_cpu,
-        help="moe_paged_stash_buffer_size_factor_cpu, host tier (%(default)s)",
+        metavar="F",
+        help="moe_paged_stash_buffer_size_factor_cpu: the host tier, 0 for none "
+        f"({dflt('buffer_factor_cpu')})",
     )
-    g.add_argument(
-        "--page-size", type=integer(1), default=d.page_size, help="rows per page (%(default)s)"
+    _knob(
+        g,
+        "--page-size",
+        type=integer(1),
+        metavar="ROWS",
+        help=f"moe_paged_stash_page_size: rows per page ({dflt('page_size')})",
     )
     g.add_argument(
         "--fp8",
         choices=["tensorwise", "mxfp8"],
-        default=None,
-        help="FP8 storage of saved inputs (default: none; not with the megatron engine)",
+        help="FP8 storage of saved inputs (default: none"
+        + ("; not with the megatron engine)" if engines else ")"),
     )
     g.add_argument("--recompute", action="store_true", help="selective recompute of moe_act")
     g.add_argument(
@@ -95,34 +129,26 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
         action="store_true",
         help="the fused FC1-activation-FC2 path (default: unfused)",
     )
+    gated = [name for name, spec in ACTIVATIONS.items() if spec.gated]  # the model is a GLU
     g.add_argument(
         "--activation",
-        choices=["swiglu", "quick_geglu"],
-        default=d.activation,
-        help="gated expert activation (%(default)s)",
+        choices=gated,
+        metavar="NAME",
+        help=f"gated expert activation: {', '.join(gated)} ({dflt('activation')}"
+        + ("; the megatron engine: swiglu only)" if engines else ")"),
     )
-    g.add_argument(
-        "--steps",
-        type=integer(1),
-        help=f"training steps ({dflt('steps')})",
-        **(sizes or {"default": d.steps}),
-    )
-    g.add_argument("--seed", type=integer(0), default=d.seed, help="(%(default)s)")
+    if engines:  # bench: a flag of both benchmarks, see _bench_parser
+        _kernel_backend(g)
+    g.add_argument("--seed", type=integer(0), help=f"seed of weights and data ({d.seed})")
+    if not engines:
+        return
+    g.add_argument("--steps", type=integer(1), help=f"training steps ({dflt('steps')})")
     g.add_argument(
         "--skew",
         type=real(),
-        default=d.skew,
         help="logit added to expert 0 on rank 0 (the megatron engine: to its routing bias), "
-        "to force over-budget reruns (0)",
+        f"to force over-budget reruns ({d.skew:g}: none)",
     )
-    g.add_argument(
-        "--kernel-backend",
-        choices=["auto", "triton", "torch"],
-        default=d.kernel_backend,
-        help="stash kernels (%(default)s: Triton on CUDA, the torch reference on CPU)",
-    )
-    if not engines:
-        return
     e = p.add_argument_group("engine (--engine megatron: a Megatron-core GPTModel)")
     e.add_argument(
         "--engine",
@@ -132,45 +158,58 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
         "te_paged's MoE spec, Megatron DDP, optimizer and forward_backward_func under "
         "MegatronPagedStashRunner (needs megatron-core 0.16.1)",
     )
-    e.add_argument("--ep", type=integer(1), help="expert-parallel size (default: every rank)")
+    e.add_argument(
+        "--ep", type=integer(1), help="expert-parallel size (default: every rank; megatron only)"
+    )
     e.add_argument(
         "--dropout",
         type=real(0, 1, strict_max=True),
-        help=f"hidden and attention dropout ({m.dropout})",
+        help=f"hidden and attention dropout ({m.dropout}; megatron only)",
     )
     e.add_argument(
-        "--seq-length", type=integer(1), default=m.seq_length, help="sequence length (%(default)s)"
+        "--seq-length",
+        type=integer(1),
+        help=f"sequence length ({m.seq_length}; megatron only)",
     )
     e.add_argument(
         "--micro-batch-size",
         type=integer(1),
-        default=m.micro_batch_size,
-        help="sequences per microbatch (%(default)s)",
+        help=f"sequences per microbatch ({m.micro_batch_size}; megatron only)",
     )
     e.add_argument(
         "--microbatches",
         type=integer(1),
-        default=m.microbatches,
-        help="microbatches per step, gradient accumulation (%(default)s)",
+        help=f"microbatches per step, gradient accumulation ({m.microbatches}; megatron only)",
     )
     e.add_argument(
         "--overlap-grad-reduce",
         action="store_true",
-        help="Megatron DDP's overlapped gradient all-reduce",
+        help="Megatron DDP's overlapped gradient all-reduce (megatron only)",
     )
 
 
-def _parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--traceback", action="store_true", help="on a failure, also print the traceback"
-    )
-    p = OneLineParser(
-        prog="te-paged",
-        description="Paged stashing of MoE expert activations: A/B, planner, benchmarks.",
-    )
-    sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+def _kernel_backend(p) -> None:
+    from te_paged.kernels import backend_choices
+    from te_paged.tools.model import ModelConfig
 
+    p.add_argument(
+        "--kernel-backend",
+        choices=backend_choices(),
+        help=f"stash kernels, a registered backend ({ModelConfig().kernel_backend}: Triton on "
+        "CUDA, the torch reference on CPU)",
+    )
+
+
+def _device(p, what: str) -> None:
+    p.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help=f"where to run (%(default)s: {what})",
+    )
+
+
+def _ab_parser(sub, common: argparse.ArgumentParser) -> None:
     ab = sub.add_parser(
         "ab",
         parents=[common],
@@ -180,10 +219,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     _model_args(ab, engines=True)
     run = ab.add_argument_group("ranks and outputs")
-    run.add_argument("--nproc", type=integer(1), default=4, help="ranks to start (%(default)s)")
     run.add_argument(
-        "--device", choices=["cpu", "cuda"], default="cpu", help="(%(default)s; cuda: NCCL)"
+        "--nproc",
+        type=integer(1),
+        default=4,
+        help="ranks to start (%(default)s; under torchrun the launcher's ranks instead)",
     )
+    _device(run, "cuda, with NCCL, when there is a GPU for every rank, else cpu, with gloo")
     run.add_argument(
         "--timeout",
         type=real(1),
@@ -196,9 +238,14 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--record-profile",
         type=Path,
-        help="write the OFF run's routing profile (JSON) for `te-paged plan`",
+        help="write the OFF run's routing profile (JSON) for `te-paged plan` (default engine only)",
     )
     run.add_argument("--force", action="store_true", help="overwrite existing output files")
+
+
+def _plan_parser(sub, common: argparse.ArgumentParser) -> None:
+    from te_paged.tools.plan_command import MODEL_DEFAULTS as md
+    from te_paged.tools.plan_command import PROFILE_DEFAULTS as pd
 
     plan = sub.add_parser(
         "plan",
@@ -208,29 +255,17 @@ def _parser() -> argparse.ArgumentParser:
         "buffer factors from a routing profile, or print a named model's "
         "sizes without running it.",
     )
-    plan.add_argument(
+    source = plan.add_argument_group("what to plan from (exactly one)")
+    source = source.add_mutually_exclusive_group()
+    source.add_argument(
         "--profile",
         type=Path,
         help="routing profile (.json or .csv); counts by source rank (as `ab --record-profile` "
         "and PagedStashRunner(record_routing=True) record them) make the capacity factor exact, "
         "per-expert totals a lower bound",
     )
-    plan.add_argument(
-        "--target-rerun-rate",
-        type=real(0, 1, strict_min=True, strict_max=True),
-        default=0.01,
-        help="fraction of profiled steps allowed to rerun (%(default)s)",
-    )
-    plan.add_argument(
-        "--host-spill",
-        action="store_true",
-        help="cover the tail with a host tier instead of a larger CUDA pool",
-    )
-    plan.add_argument(
-        "--hidden", type=integer(1), help="hidden size, for the memory of each choice"
-    )
-    plan.add_argument(
-        "--ffn", type=integer(1), help="expert FFN size, for the memory of each choice"
+    source.add_argument(
+        "--model", choices=["deepseek-v3"], help="a named configuration's sizes, without a run"
     )
     plan.add_argument(
         "--dtype-bytes",
@@ -239,39 +274,75 @@ def _parser() -> argparse.ArgumentParser:
         default=2,
         help="bytes per stashed element: 1 FP8, 2 bf16, 4 fp32 (%(default)s)",
     )
-    plan.add_argument("--model", choices=["deepseek-v3"], help="a named configuration")
-    plan.add_argument("--seq", type=integer(1), default=4096, help="sequence length (%(default)s)")
-    plan.add_argument("--batch", type=integer(1), default=1, help="micro-batch size (%(default)s)")
-    plan.add_argument(
-        "--ep", type=integer(1), default=8, help="expert-parallel ranks (%(default)s)"
+    prof = plan.add_argument_group("with --profile")
+    prof.add_argument(
+        "--target-rerun-rate",
+        type=real(0, 1, strict_min=True, strict_max=True),
+        metavar="R",
+        help=f"fraction of profiled steps allowed to rerun ({pd['target_rerun_rate']}); the "
+        "profile needs at least 1/R steps to measure it",
     )
-    plan.add_argument("--layers", type=integer(1), help="MoE layers (default: the model's)")
-    plan.add_argument(
+    prof.add_argument(
+        "--host-spill",
+        action="store_true",
+        help="cover the tail with a host tier instead of a larger CUDA pool",
+    )
+    prof.add_argument(
+        "--hidden", type=integer(1), help="hidden size, for the memory of each choice"
+    )
+    prof.add_argument(
+        "--ffn", type=integer(1), help="expert FFN size, for the memory of each choice"
+    )
+    named = plan.add_argument_group("with --model")
+    named.add_argument(
+        "--seq-length", type=integer(1), help=f"sequence length ({md['seq_length']})"
+    )
+    named.add_argument(
+        "--micro-batch-size",
+        type=integer(1),
+        help=f"sequences per micro-batch ({md['micro_batch_size']})",
+    )
+    named.add_argument("--ep", type=integer(1), help=f"expert-parallel ranks ({md['ep']})")
+    named.add_argument("--layers", type=integer(1), help="MoE layers (default: the model's)")
+    _knob(
+        named,
+        "--buffer-factor-cuda",
+        type=real(0, strict_min=True),
+        metavar="F",
+        help="moe_paged_stash_buffer_size_factor_cuda: the CUDA pool over the balanced case "
+        f"({md['buffer_factor_cuda']})",
+    )
+    layout = named.add_mutually_exclusive_group()
+    _knob(
+        layout,
         "--capacity-factor",
         type=real(0, strict_min=True),
-        default=2.0,
-        help="moe_expert_rank_capacity_factor (%(default)s)",
+        metavar="F",
+        help="moe_expert_rank_capacity_factor: static expert buffer rows over the balanced "
+        f"case ({md['capacity_factor']})",
     )
-    plan.add_argument(
-        "--buffer-factor",
-        type=real(0, strict_min=True),
-        default=1.1,
-        help="moe_paged_stash_buffer_size_factor_cuda (%(default)s)",
-    )
-    plan.add_argument(
+    layout.add_argument(
         "--ring-of-experts",
         action="store_true",
-        help="MaxText's layout: each rank's buffer holds all EP ranks' tokens",
+        help="MaxText's layout: each rank's buffer holds all EP ranks' tokens, an effective "
+        "capacity factor of EP",
     )
+
+
+def _bench_parser(sub, common: argparse.ArgumentParser) -> None:
+    from te_paged.tools.bench import STASH_HIDDEN_SIZES, STASH_TOKEN_COUNTS
 
     bench = sub.add_parser(
         "bench",
         parents=[common],
         help="stash/pop vs plain copy; step time ON/OFF",
-        description="Benchmarks, medians of several runs in one process; "
+        description="Benchmarks, medians of several runs in one process "
+        "(torch.utils.benchmark.Timer; the stash kernels on CUDA: triton.testing.do_bench); "
         "reports go to --out-dir with the command that produced them.",
     )
-    bench.add_argument("--only", choices=["stash", "step"], help="run one of the two")
+    bench.add_argument(
+        "--only", choices=["stash", "step"], help="run one of the two (default: both)"
+    )
     bench.add_argument(
         "--out-dir",
         type=Path,
@@ -279,25 +350,54 @@ def _parser() -> argparse.ArgumentParser:
         help="where the dated reports go (%(default)s)",
     )
     bench.add_argument("--force", action="store_true", help="overwrite today's reports")
-    bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="(%(default)s)")
+    _device(bench, "cuda when available, else cpu")
+    _kernel_backend(bench)
     bench.add_argument(
-        "--repeats", type=integer(1), default=7, help="timed runs per case (%(default)s)"
+        "--repeats",
+        type=integer(1),
+        default=7,
+        help="timed runs per case, of which the median is reported (%(default)s; the stash "
+        "benchmark on CUDA times with triton.testing.do_bench's own count instead)",
     )
-    bench.add_argument(
+    grid = bench.add_argument_group("stash benchmark")
+    grid.add_argument(
         "--hidden-sizes",
         type=integer(1),
         nargs="+",
-        default=[1024, 2048, 4096, 7168],
-        help="stash benchmark: hidden sizes (%(default)s)",
+        help=f"hidden sizes ({' '.join(map(str, STASH_HIDDEN_SIZES))})",
     )
-    bench.add_argument(
+    grid.add_argument(
         "--token-counts",
         type=integer(1),
         nargs="+",
-        default=[2048, 16384, 65536],
-        help="stash benchmark: tokens (%(default)s)",
+        help=f"actual rows, i.e. routed tokens ({' '.join(map(str, STASH_TOKEN_COUNTS))})",
     )
     _model_args(bench)
+
+
+def _parser() -> argparse.ArgumentParser:
+    from te_paged._version import __version__
+
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--traceback", action="store_true", help="on a failure, also print the traceback"
+    )
+    p = OneLineParser(
+        prog="te-paged",
+        description="Paged stashing of MoE expert activations: A/B, planner, benchmarks.",
+    )
+    p.add_argument(
+        "--version",
+        action="version",
+        version=f"te_paged {__version__}",
+        help="print te_paged's version and exit",
+    )
+    sub = p.add_subparsers(
+        dest="command", required=True, parser_class=OneLineParser, metavar="COMMAND"
+    )
+    _ab_parser(sub, common)
+    _plan_parser(sub, common)
+    _bench_parser(sub, common)
     return p
 
 

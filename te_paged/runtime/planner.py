@@ -41,6 +41,7 @@ __all__ = [
     "FactorChoice",
     "NamedConfig",
     "RoutingProfile",
+    "min_profile_steps",
     "named_sizes",
     "recommend",
     "stashed_bytes_per_token",
@@ -175,6 +176,19 @@ def _quantile(values: Sequence[float], q: float) -> float:
 
 def _round_up(x: float) -> float:
     return math.ceil(x * 100 - 1e-9) / 100
+
+
+def min_profile_steps(target_rerun_rate: float) -> int:
+    """The fewest profiled steps that can show a rerun rate of ``target_rerun_rate``.
+
+    Over ``n`` steps a rate is measured in units of ``1/n``: with 2 steps the recommendation
+    for a 1 % target covers the worse of the two (0 % of the profile reruns), which says
+    nothing about 1 % of training. ``ceil(1 / target_rerun_rate)`` steps (100 for 1 %) let
+    one step in the profile stand for the rate allowed to rerun.
+    """
+    if not 0 < target_rerun_rate < 1:
+        raise ValueError(f"target_rerun_rate must be in (0, 1), got {target_rerun_rate}")
+    return math.ceil(1 / target_rerun_rate - 1e-9)
 
 
 @dataclasses.dataclass

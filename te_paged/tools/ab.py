@@ -2,17 +2,18 @@
 
 Per step it records loss and gradient norm of both runs (and whether they, and every single
 gradient, are bitwise equal), the runner's record (attempt, enabled, flags); per run the peak
-memory of each captured step, measured by torch's trackers (the ON figure includes the pool,
-allocated at the step boundary), and the capacity model's prediction ``(cf − bf) × S`` with ``S``
-the balanced-case bytes of the paged tensors. :func:`run_ab` runs on one rank (inside a process
-group or not); :func:`gather` collects every rank's result on each rank; :func:`format_table`
-renders it.
+memory of each step, measured by torch's trackers (the ON figure includes the pool, allocated
+at the step boundary), and the capacity model's prediction ``(cf − bf) × S`` with ``S`` the
+balanced-case bytes of the paged tensors. The saving is measured on the *measured step*: the
+last step after the capture step whose kept attempt ran with the stash (step 0 captures and has
+no pool yet; a step that fell back reran without the stash and freed the pool). :func:`run_ab`
+runs on one rank (inside a process group or not); :func:`gather` collects every rank's result on
+each rank; :func:`format_table` renders it; :mod:`te_paged.tools.run_record` writes it as JSON.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 
 import torch
@@ -25,9 +26,22 @@ from te_paged.runtime.memory import (
 )
 from te_paged.runtime.planner import RoutingProfile
 from te_paged.runtime.runner import PagedStashRunner
+from te_paged.stash import PagedStashManager, StashMode
 from te_paged.tools.model import ModelConfig, ToyMoEModel, make_batch
 
-__all__ = ["ABResult", "RankResult", "format_table", "gather", "run_ab"]
+__all__ = [
+    "ABResult",
+    "RankResult",
+    "StepResult",
+    "capturing",
+    "format_table",
+    "gather",
+    "measured_step",
+    "pool_and_s_bytes",
+    "rank_result",
+    "run_ab",
+    "step_label",
+]
 
 
 @dataclasses.dataclass
@@ -40,7 +54,13 @@ class StepResult:
     overbudget_ranks: int
     host_spill_ranks: int
     peak_bytes: int
-    record: dict
+    record: dict  # the runner's StepRecord, as a dict
+    #: The stash's capture step (saved tensors truncated, the peak learned; no pool yet).
+    capture: bool = False
+    pool_bytes: int = 0  # the stash pools after the step: 0 OFF, at capture, after a fallback
+    s_bytes: int = 0  # S after the step (see the module docstring); 0 while no pool exists
+    stashes: int = 0  # this rank's stash copies and pops in attempt 1 (a rerun stashes none)
+    pops: int = 0
 
 
 @dataclasses.dataclass
@@ -49,17 +69,17 @@ class RankResult:
     on: list[StepResult]
     off: list[StepResult]
     grads_equal: list[bool]  # per step: every gradient of this rank bitwise equal
-    pool_bytes: int
+    pool_bytes: int  # the measured step's (0 when there is none)
     host_pool_bytes: int
-    s_bytes: int  # balanced-case bytes of the paged tensors
-    stashes: int
+    s_bytes: int  # balanced-case bytes of the paged tensors, at the measured step
+    stashes: int  # at the measured step (the last step when there is none)
     pops: int
     memory_method: str
     timeline: list[dict]
     routing: RoutingProfile | None = None  # the OFF run's, recorded by its runner
-    #: The step the memory table reports (pool and S are this step's); None: no step after
-    #: the capture step kept paged stash (each was rerun without it), so nothing to report.
-    memory_step: int | None = -1
+    #: The measured step (see :func:`measured_step`); None: no step after the capture step
+    #: kept paged stash (each was rerun without it), so there is no saving to report.
+    memory_step: int | None = None
 
 
 @dataclasses.dataclass
@@ -76,13 +96,19 @@ class ABResult:
             for r in self.ranks
         )
 
-    def memory(self) -> dict[str, float] | None:
-        """Max over ranks of the reported step's peak (by default the last, a captured one),
-        and the capacity model; None when no step kept paged stash."""
-        if any(r.memory_step is None for r in self.ranks):
+    def memory(self) -> dict[str, int | float | None] | None:
+        """Max over ranks of the measured step's peaks, and the capacity model; None when no
+        step after the capture step kept paged stash. A ratio whose model is not positive
+        (``cf ≤ bf``, or one layer's reload ``cf/L`` at least ``cf − bf``) is None: there is
+        nothing to compare against."""
+        steps = {r.memory_step for r in self.ranks}
+        if None in steps:
             return None
-        on = max(r.on[r.memory_step].peak_bytes + r.pool_bytes for r in self.ranks)
-        off = max(r.off[r.memory_step].peak_bytes for r in self.ranks)
+        # Reruns are decided by one collective, so every rank kept the same attempts.
+        assert len(steps) == 1, f"ranks measured different steps: {sorted(steps)}"
+        (step,) = steps
+        on = max(r.on[step].peak_bytes + r.pool_bytes for r in self.ranks)
+        off = max(r.off[step].peak_bytes for r in self.ranks)
         s = max(r.s_bytes for r in self.ranks)
         cfg = self.config
         cf, bf = cfg["capacity_factor"], cfg["buffer_factor_cuda"]
@@ -90,16 +116,52 @@ class ABResult:
         adjusted = reload_adjusted_saving(cf, bf, s, cfg["layers"])
         saving = off - on
         return {
+            "step": step,
             "peak_on_bytes": on,
             "peak_off_bytes": off,
             "pool_bytes": max(r.pool_bytes for r in self.ranks),
             "S_bytes": s,
             "saving_bytes": saving,
             "predicted_saving_bytes": predicted,
-            "measured_over_predicted": saving / predicted if predicted else math.nan,
+            "measured_over_predicted": saving / predicted if predicted > 0 else None,
             "reload_adjusted_saving_bytes": adjusted,
-            "measured_over_reload_adjusted": saving / adjusted if adjusted > 0 else math.nan,
+            "measured_over_reload_adjusted": saving / adjusted if adjusted > 0 else None,
         }
+
+
+def measured_step(steps: list[StepResult]) -> int | None:
+    """The step the saving is measured on: the last whose kept attempt ran with the stash,
+    other than the capture step (which has no pool yet). ``None`` if there is none. Example:
+    steps ``[capture, paged, fallback]`` → 1; ``[capture, fallback, fallback]`` → None."""
+    kept = [i for i, s in enumerate(steps) if s.enabled and not s.capture]
+    return kept[-1] if kept else None
+
+
+def step_label(step: StepResult) -> str:
+    """How the ON run's kept attempt of a step ran: ``capture``, ``paged``, ``fallback`` (rerun
+    without the stash after an overflow or over-budget attempt 1) or ``unpaged``."""
+    if step.attempt > 1:
+        return "capture, fallback" if step.capture else "fallback"
+    if not step.enabled:
+        return "unpaged"
+    return "capture" if step.capture else "paged"
+
+
+def pool_and_s_bytes(managers: list[PagedStashManager]) -> tuple[int, int]:
+    """``(pool bytes, S bytes)`` of the managers now (0, 0 while no pool is allocated)."""
+    pool = s_bytes = 0
+    for manager in managers:
+        stats = manager.stats()
+        pool += stats.pool_bytes
+        for key, buf in manager.buffers.items():
+            rows = stats.capture_peak_balanced_rows[str(key)]
+            s_bytes += rows * key.hidden * buf.pool_NH.element_size()
+    return pool, s_bytes
+
+
+def capturing(managers: list[PagedStashManager]) -> bool:
+    """Whether the step about to run (after ``reset()``) is a capture step."""
+    return any(m.enabled and m.mode is StashMode.CAPTURE for m in managers)
 
 
 def _grad_vector(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -115,7 +177,7 @@ def _run(
     progress: Callable[[str], None] | None,
     timeline: bool,
     record_routing: bool = False,
-) -> tuple[list[StepResult], list[list[torch.Tensor]], ToyMoEModel, PagedStashRunner]:
+) -> tuple[list[StepResult], list[list[torch.Tensor]], ToyMoEModel, PagedStashRunner, str]:
     model = ToyMoEModel(cfg, paged=paged, group=group, device=device, record_timeline=timeline)
     if cfg.skew and rank == 0:
         for layer in model.layers:
@@ -141,12 +203,16 @@ def _run(
             # The first reset after the capture step allocates the pool: do it outside the
             # measurement (the pool is added to ON's figure explicitly).
             model.manager.reset()
+        managers = [] if model.manager is None else [model.manager]
+        capture = capturing(managers)
         with PeakMemoryMeter(device) as meter:
             runner.before_rerun = meter.new_iteration
             loss, record = runner.step(step_fn)
         mem = meter.report
         grads.append(_grad_vector(model))
         norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads[-1]]))
+        pool, s_bytes = pool_and_s_bytes(managers)
+        stats = model.manager.stats() if model.manager is not None else None
         steps.append(
             StepResult(
                 float(loss),
@@ -158,12 +224,16 @@ def _run(
                 record.host_spill_ranks,
                 mem.peak_bytes,
                 dataclasses.asdict(record),
+                capture,
+                pool,
+                s_bytes,
+                stats.stashes if stats is not None else 0,
+                stats.pops if stats is not None else 0,
             )
         )
         if progress is not None:
             progress(f"{'ON ' if paged else 'OFF'} step {step + 1}/{cfg.steps}")
-    steps[-1].record["memory_method"] = mem.method
-    return steps, grads, model, runner
+    return steps, grads, model, runner, mem.method
 
 
 def run_ab(
@@ -177,33 +247,54 @@ def run_ab(
     routing profile (tokens per expert per layer, by source rank) for the planner."""
     device = torch.device(device)
     rank = 0 if group is None else dist.get_rank(group)
-    off, off_grads, _, off_runner = _run(
+    off, off_grads, _, off_runner, _ = _run(
         cfg, False, group, device, rank, progress, False, record_routing
     )
-    on, on_grads, model, _ = _run(cfg, True, group, device, rank, progress, rank == 0)
+    on, on_grads, model, _, method = _run(cfg, True, group, device, rank, progress, rank == 0)
     equal = [
         len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
         for a, b in zip(on_grads, off_grads)
     ]
-    stats = model.manager.stats()
-    s_bytes = 0
-    for key, buf in model.manager.buffers.items():
-        rows = stats.capture_peak_balanced_rows[str(key)]
-        s_bytes += rows * key.hidden * buf.pool_NH.element_size()
     timeline = [dataclasses.asdict(e) for e in (model.manager.timeline or [])]
+    return rank_result(
+        rank,
+        on,
+        off,
+        equal,
+        model.manager.stats().host_pool_bytes,
+        method,
+        timeline,
+        off_runner.routing_profile() if record_routing else None,
+    )
+
+
+def rank_result(
+    rank: int,
+    on: list[StepResult],
+    off: list[StepResult],
+    equal: list[bool],
+    host_pool_bytes: int,
+    memory_method: str,
+    timeline: list[dict],
+    routing: RoutingProfile | None = None,
+) -> RankResult:
+    """A rank's result, its pool, ``S`` and counts taken at the measured step."""
+    step = measured_step(on)
+    at = on[-1 if step is None else step]
     return RankResult(
         rank,
         on,
         off,
         equal,
-        stats.pool_bytes,
-        stats.host_pool_bytes,
-        s_bytes,
-        stats.stashes,
-        stats.pops,
-        on[-1].record["memory_method"],
+        at.pool_bytes if step is not None else 0,
+        host_pool_bytes,
+        at.s_bytes if step is not None else 0,
+        at.stashes,
+        at.pops,
+        memory_method,
         timeline,
-        off_runner.routing_profile() if record_routing else None,
+        routing,
+        step,
     )
 
 
@@ -220,8 +311,13 @@ def _mib(b: float) -> str:
     return f"{b / 2**20:.2f} MiB"
 
 
+def _percent(ratio: float | None) -> str:
+    return "n/a (model ≤ 0)" if ratio is None else f"{100 * ratio:.1f} %"
+
+
 def format_table(result: ABResult) -> str:
-    """A reviewer's table: per step ON/OFF loss and grad norm, attempts and flags; memory."""
+    """A reviewer's table: per step (labelled with how ON ran: capture, paged, fallback) ON/OFF
+    loss and grad norm, attempts and flags; then the memory of the measured step."""
     r0 = result.ranks[0]
     rows = [
         "| step | loss ON | loss OFF | grad norm ON | grad norm OFF | bitwise equal | attempt "
@@ -231,9 +327,9 @@ def format_table(result: ABResult) -> str:
     for i, (a, b) in enumerate(zip(r0.on, r0.off)):
         eq = all(r.grads_equal[i] and r.on[i].loss == r.off[i].loss for r in result.ranks)
         rows.append(
-            f"| {i} | {a.loss:.6f} | {b.loss:.6f} | {a.grad_norm:.6f} | {b.grad_norm:.6f} "
-            f"| {'yes' if eq else 'NO'} | {a.attempt} | {a.enabled} | {a.stash_overflow_ranks} "
-            f"| {a.overbudget_ranks} | {a.host_spill_ranks} |"
+            f"| {i} ({step_label(a)}) | {a.loss:.6f} | {b.loss:.6f} | {a.grad_norm:.6f} "
+            f"| {b.grad_norm:.6f} | {'yes' if eq else 'NO'} | {a.attempt} | {a.enabled} "
+            f"| {a.stash_overflow_ranks} | {a.overbudget_ranks} | {a.host_spill_ranks} |"
         )
     m = result.memory()
     cfg = result.config
@@ -244,14 +340,14 @@ def format_table(result: ABResult) -> str:
             "step shows its saving (raise the factors the runner suggests, or run more steps).",
             "",
         ]
+        counted = len(r0.on) - 1
     else:
-        step = r0.memory_step if r0.memory_step >= 0 else len(r0.on) + r0.memory_step
-        which = (
-            "last step" if step == len(r0.on) - 1 else f"step {step}, the last that kept the stash"
-        )
+        counted = m["step"]
+        which = "the last step" if counted == len(r0.on) - 1 else "the last that ran with the stash"
         rows += [
             "",
-            f"Memory, {which}, max over {result.world_size} rank(s) ({r0.memory_method}):",
+            f"Memory of step {counted} ({which}), max over {result.world_size} rank(s) "
+            f"({r0.memory_method}):",
             "",
             "| peak ON (incl. pool) | peak OFF | pool | saving | predicted (cf − bf) × S "
             "| measured / predicted | less one layer's reload (cf − bf − cf/L) × S "
@@ -262,13 +358,13 @@ def format_table(result: ABResult) -> str:
             f"| {_mib(m['predicted_saving_bytes'])} "
             f"(cf {cfg['capacity_factor']}, bf {cfg['buffer_factor_cuda']}, "
             f"S {_mib(m['S_bytes'])}) "
-            f"| {100 * m['measured_over_predicted']:.1f} % "
+            f"| {_percent(m['measured_over_predicted'])} "
             f"| {_mib(m['reload_adjusted_saving_bytes'])} (L {cfg['layers']}) "
-            f"| {100 * m['measured_over_reload_adjusted']:.1f} % |",
+            f"| {_percent(m['measured_over_reload_adjusted'])} |",
             "",
         ]
     rows += [
-        f"stashes/pops (rank 0, last step): {r0.stashes}/{r0.pops}; "
+        f"stashes/pops (rank 0, step {counted}): {r0.stashes}/{r0.pops}; "
         f"ON and OFF {'bitwise equal' if result.equal else 'DIFFER'}.",
     ]
     return "\n".join(rows)

@@ -11,7 +11,6 @@ import argparse
 import dataclasses
 import datetime
 import importlib.util
-import json
 import os
 import socket
 import sys
@@ -21,7 +20,12 @@ from te_paged.tools.launch import RankFailure, RankWatchdog, spawn_ranks
 
 __all__ = ["check_ab_args", "model_config", "run_ab_command"]
 
-_MEGATRON_ONLY = ("ep", "dropout", "overlap_grad_reduce")
+# Flags of one engine only (their defaults are None: the engine's config fills them in).
+_MEGATRON_ONLY = (
+    "ep", "dropout", "overlap_grad_reduce", "seq_length", "micro_batch_size", "microbatches"
+)  # fmt: skip
+#: The capture step, then one step that runs with the pool: the least a saving is measured on.
+MIN_STEPS = 2
 
 
 def model_config(args: argparse.Namespace):
@@ -62,11 +66,17 @@ def _megatron_missing() -> str | None:
 def check_ab_args(args: argparse.Namespace) -> str | None:
     """Everything the run would trip over, as one message (or None), before any rank starts."""
     megatron = args.engine == "megatron"
+    args.device = _resolve_device(args.device, *_world(args))
     if not megatron:
         given = [f"--{n.replace('_', '-')}" for n in _MEGATRON_ONLY if getattr(args, n) not in
                  (None, False)]  # fmt: skip
         if given:
             return f"{', '.join(given)}: only with --engine megatron"
+    elif args.tokens is not None:
+        return (
+            "--tokens: not with --engine megatron, whose tokens per rank are --seq-length x "
+            "--micro-batch-size"
+        )
     elif args.fp8:
         return (
             "--fp8 is not available with --engine megatron (FP8 in Megatron needs Transformer "
@@ -74,10 +84,15 @@ def check_ab_args(args: argparse.Namespace) -> str | None:
         )
     elif args.record_profile:
         return "--record-profile is not available with --engine megatron"
-    elif args.activation != "swiglu":
+    elif args.activation not in (None, "swiglu"):
         return "--activation: the megatron engine's model uses swiglu"
     world, _ = _world(args)
     cfg = model_config(args)
+    if cfg.steps < MIN_STEPS:
+        return (
+            f"--steps {cfg.steps}: step 0 is the stash's capture step (no pool yet), so "
+            f"measuring the saving needs at least {MIN_STEPS} steps"
+        )
     ep = (args.ep or world) if megatron else world
     if megatron and world % ep:
         return f"--ep {ep} does not divide the {world} ranks"
@@ -114,21 +129,39 @@ def check_ab_args(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _resolve_device(device: str, world: int, under_torchrun: bool) -> str:
+    """``auto``: ``cuda`` when there is a GPU for every rank (under torchrun: any GPU, the
+    launcher places the ranks), else ``cpu``."""
+    if device != "auto":
+        return device
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    return "cuda" if under_torchrun or torch.cuda.device_count() >= world else "cpu"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _progress(rank: int, watchdog: RankWatchdog):
-    show = rank == 0 and sys.stderr.isatty()
+def _progress(rank: int, world: int, device: str, steps: int, watchdog: RankWatchdog):
+    """``(progress, close)``: every rank tells its watchdog what finished; rank 0 also shows
+    it, the OFF run's steps then the ON run's (see :class:`~te_paged.tools.progress.Progress`:
+    a bar on a terminal, a line per step in a pipe or a log)."""
+    from te_paged.tools.progress import Progress
+
+    ranks = f"{world} rank{'s' if world > 1 else ''}"
+    shown = Progress(2 * steps, f"te-paged ab ({ranks}, {device})") if rank == 0 else None
 
     def progress(message: str) -> None:
         watchdog.progress(message)
-        if show:
-            print(f"\r[te-paged ab] {message:<40}", end="", file=sys.stderr, flush=True)
+        if shown is not None:
+            shown(message)
 
-    return progress
+    return progress, (shown.close if shown is not None else lambda: None)
 
 
 def _rank(rank: int, world: int, watchdog: RankWatchdog, init: str, args: argparse.Namespace):
@@ -160,9 +193,10 @@ def _rank(rank: int, world: int, watchdog: RankWatchdog, init: str, args: argpar
         world_size=world,
         timeout=datetime.timedelta(seconds=args.timeout),
     )
+    close = None
     try:
         cfg = model_config(args)
-        progress = _progress(rank, watchdog)
+        progress, close = _progress(rank, world, args.device, cfg.steps, watchdog)
         if args.engine == "megatron":
             from te_paged.tools.megatron_ab import run_megatron_ab
 
@@ -175,16 +209,18 @@ def _rank(rank: int, world: int, watchdog: RankWatchdog, init: str, args: argpar
         # abort the process.
         dist.barrier()
     finally:
+        if close is not None:
+            close()
         dist.destroy_process_group()
     return result if rank == 0 else None
 
 
 def _write_outputs(args: argparse.Namespace, result) -> None:
     if args.json:
-        extra = {"memory": result.memory()}
-        if args.engine == "megatron":
-            extra["engine"] = "megatron"
-        args.json.write_text(json.dumps(dataclasses.asdict(result) | extra, indent=1))
+        from te_paged.tools.run_record import build_record, dumps
+
+        # The process's own command line (under torchrun: the worker's, without torchrun's).
+        args.json.write_text(dumps(build_record(result, args.engine, sys.argv)))
     if args.plot:
         from te_paged.tools.plot import plot_ab
 
@@ -216,8 +252,6 @@ def run_ab_command(args: argparse.Namespace) -> int:
         except RankFailure as e:
             print(f"te-paged ab: error: {e}", file=sys.stderr)
             return 3
-    if sys.stderr.isatty():
-        print(file=sys.stderr)
     print(format_table(result))
     _write_outputs(args, result)
     return 0 if result.equal else 1

@@ -2,24 +2,52 @@
 
 Stash+pop throughput: for each (hidden, tokens) the stash copies the actual rows into pool pages
 and the pop copies them back; the baseline is two ``Tensor.copy_`` calls moving the same rows the
-same way. Reported: medians over ``repeats`` runs in one process, and their ratio (baseline time
-/ stash time, so 1.0 = as fast as a plain copy). A second table measures what zeroing the padding
-rows on reload costs when the static buffer is ``capacity`` times the actual rows.
+same way. Reported: medians in one process, and their ratio (baseline time / stash time, so 1.0 =
+as fast as a plain copy). A second table measures what zeroing the padding rows on reload costs
+when the static buffer is ``capacity`` times the actual rows.
+
+Timing (:func:`median_seconds`): ``torch.utils.benchmark.Timer`` — ``repeats`` timed calls, each
+after the Timer's own two warm-up calls, at the process's thread count, the accelerator
+synchronised around each — and their median. On CUDA with Triton installed the stash kernels
+are timed by ``triton.testing.do_bench`` instead (its own warm-up and number of runs, the L2
+cache flushed before each, the median), the usual yardstick for a kernel on a GPU.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import importlib.util
 import platform
-import statistics
-import time
+from collections.abc import Callable
 
 import torch
+from torch.utils.benchmark import Measurement, Timer
 
-from te_paged.kernels import KernelBackend, resolve_backend, stash_copy, stash_pop
-from te_paged.kernels.layout import FLAGS_LEN, META_LEN
+from te_paged.kernels import (
+    FLAGS_LEN,
+    META_LEN,
+    StashBackend,
+    resolve_backend,
+    stash_copy,
+    stash_pop,
+)
 from te_paged.stash import PagedStashBuffer, StashKey, storage_dtype
+
+__all__ = [
+    "STASH_HIDDEN_SIZES",
+    "STASH_TOKEN_COUNTS",
+    "median_of",
+    "median_seconds",
+    "stash_report",
+    "step_time_report",
+    "timer",
+    "timing_method",
+]
+
+#: The stash benchmark's default grid (DeepSeek-V3's hidden size is 7168).
+STASH_HIDDEN_SIZES = (1024, 2048, 4096, 7168)
+STASH_TOKEN_COUNTS = (2048, 16384, 65536)
 
 
 @dataclasses.dataclass
@@ -43,19 +71,42 @@ class Result:
         return self.case.tokens * self.case.hidden * self.case.dtype.itemsize / 1e9
 
 
-def _median_time(fn, repeats: int, sync) -> float:
-    fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _do_bench_applies(device: torch.device) -> bool:
+    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
 
 
-def run_case(case: Case, repeats: int, device: torch.device, backend: KernelBackend) -> Result:
+def timing_method(device: torch.device, repeats: int, *, kernels: bool = True) -> str:
+    """How :func:`median_seconds` times on ``device``, for a report's header."""
+    if kernels and _do_bench_applies(device):
+        return "median of triton.testing.do_bench's runs (L2 flushed before each)"
+    return f"median of {repeats} (torch.utils.benchmark.Timer)"
+
+
+def timer(fn: Callable[[], object], label: str = "") -> Timer:
+    """A ``Timer`` of ``fn()`` at this process's thread count (the Timer's default is 1)."""
+    return Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads(), label=label)
+
+
+def median_of(measurements: list[Measurement]) -> float:
+    """The median, in seconds, of ``Timer.timeit`` measurements of one statement."""
+    (merged,) = Measurement.merge(measurements)
+    return merged.median
+
+
+def median_seconds(
+    fn: Callable[[], object], repeats: int, device: torch.device, *, kernels: bool = True
+) -> float:
+    """Median seconds of one ``fn()`` (see the module docstring; ``kernels``: on CUDA with
+    Triton, time with ``triton.testing.do_bench``)."""
+    if kernels and _do_bench_applies(device):
+        from triton.testing import do_bench
+
+        return do_bench(fn, return_mode="median") / 1e3  # milliseconds
+    t = timer(fn)
+    return median_of([t.timeit(1) for _ in range(repeats)])
+
+
+def run_case(case: Case, repeats: int, device: torch.device, backend: StashBackend) -> Result:
     bits = storage_dtype(case.dtype)
     src = torch.randn(case.max_rows, case.hidden, device=device).to(case.dtype).view(bits)
     dst = torch.empty_like(src)
@@ -65,7 +116,6 @@ def run_case(case: Case, repeats: int, device: torch.device, backend: KernelBack
     rec = torch.empty(-(-case.max_rows // case.page_size), dtype=torch.int32, device=device)
     meta = torch.empty(META_LEN, dtype=torch.int64, device=device)
     n = torch.tensor([case.tokens], device=device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     plain_pool = buf.pool_NH[: case.tokens]
 
     def plain() -> None:
@@ -76,26 +126,27 @@ def run_case(case: Case, repeats: int, device: torch.device, backend: KernelBack
         stash_copy(backend, src, n, 1, case.page_size, *buf.kernel_args(), flags, rec, meta)
         stash_pop(backend, dst, case.page_size, *buf.kernel_args(), flags, rec, meta, zero)
 
-    copy_s = _median_time(plain, repeats, sync)
-    stash_s = _median_time(lambda: paged(True), repeats, sync)
-    stash_nozero_s = _median_time(lambda: paged(False), repeats, sync)
+    copy_s = median_seconds(plain, repeats, device)
+    stash_s = median_seconds(lambda: paged(True), repeats, device)
+    stash_nozero_s = median_seconds(lambda: paged(False), repeats, device)
     assert torch.equal(dst[: case.tokens], src[: case.tokens])
     assert int(flags.sum()) == 0
     return Result(case, copy_s, stash_s, stash_nozero_s)
 
 
 def stash_report(
-    hidden: list[int],
-    tokens: list[int],
+    hidden: list[int] | tuple[int, ...] = STASH_HIDDEN_SIZES,
+    tokens: list[int] | tuple[int, ...] = STASH_TOKEN_COUNTS,
     *,
     capacity: float = 1.5,
     repeats: int = 7,
     device: str = "cpu",
     backend: str = "auto",
     command: str = "",
-    progress=None,
+    progress: Callable[[str], None] | None = None,
 ) -> str:
-    """Run the stash+pop benchmark grid; return the Markdown report."""
+    """Run the stash+pop benchmark grid; return the Markdown report. ``progress(message)`` is
+    called after each (hidden, tokens) case."""
     dev = torch.device(device)
     kernel = resolve_backend(backend, dev)
     full, padded = [], []
@@ -104,14 +155,14 @@ def stash_report(
             full.append(run_case(Case(h, t, t), repeats, dev, kernel))
             padded.append(run_case(Case(h, t, int(t * capacity)), repeats, dev, kernel))
             if progress is not None:
-                progress(f"stash bench hidden={h} tokens={t}")
+                progress(f"hidden {h}, tokens {t}")
     lines = [
         f"# Stash+pop vs plain copy ({datetime.date.today()})",
         "",
         f"Command: `{command}`  ",
         f"Machine: {platform.machine()}, {torch.get_num_threads()} threads, device {dev}, "
-        f"backend {kernel.value}, torch {torch.__version__}, bf16, page size 64, "
-        f"median of {repeats}.",
+        f"backend {kernel.name}, torch {torch.__version__}, bf16, page size 64, "
+        f"{timing_method(dev, repeats)}.",
         "",
         "## Throughput (all rows real: no padding)",
         "",
@@ -139,12 +190,19 @@ def stash_report(
     return "\n".join(lines) + "\n"
 
 
-def step_time_report(cfg, *, repeats: int = 5, device: str = "cpu", command: str = "") -> str:
-    """Median step time of the ``ab`` model (one process) with paged stash ON and OFF."""
+def step_time_report(
+    cfg,
+    *,
+    repeats: int = 5,
+    device: str = "cpu",
+    command: str = "",
+    progress: Callable[[str], None] | None = None,
+) -> str:
+    """Median step time of the ``ab`` model (one process) with paged stash ON and OFF.
+    ``progress(message)`` is called after each round (one timed step of each)."""
     from te_paged.tools.model import ToyMoEModel, make_batch
 
     dev = torch.device(device)
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     models = {paged: ToyMoEModel(cfg, paged=paged, group=None, device=dev) for paged in (0, 1)}
     x, target = make_batch(cfg, 0, 0, dev)
 
@@ -154,18 +212,16 @@ def step_time_report(cfg, *, repeats: int = 5, device: str = "cpu", command: str
         model.zero_grad(set_to_none=False)
         model(x, target).backward()
 
-    times: dict[int, list[float]] = {0: [], 1: []}
-    for model in models.values():  # capture step and pool allocation, not timed
-        step(model)
-        step(model)
-    for _ in range(repeats):  # interleaved, so drift in machine load hits both alike
-        for paged, model in models.items():
-            sync()
-            t0 = time.perf_counter()
-            step(model)
-            sync()
-            times[paged].append(time.perf_counter() - t0)
-    on, off = statistics.median(times[1]), statistics.median(times[0])
+    # The Timer's two warm-up calls before each timed one cover the capture step and the pool
+    # allocation at the first reset after it: every timed step runs with the pool.
+    timers = {paged: timer(lambda m=model: step(m)) for paged, model in models.items()}
+    runs: dict[int, list[Measurement]] = {0: [], 1: []}
+    for i in range(repeats):  # interleaved, so drift in machine load hits both alike
+        for paged, t in timers.items():
+            runs[paged].append(t.timeit(1))
+        if progress is not None:
+            progress(f"round {i + 1}/{repeats}")
+    on, off = median_of(runs[1]), median_of(runs[0])
     return "\n".join(
         [
             f"# Step time, paged stash ON vs OFF ({datetime.date.today()})",
@@ -173,7 +229,7 @@ def step_time_report(cfg, *, repeats: int = 5, device: str = "cpu", command: str
             f"Command: `{command}`  ",
             f"Model: {cfg.layers} MoE layers, {cfg.experts} experts, top-{cfg.topk}, hidden "
             f"{cfg.hidden}, ffn {cfg.ffn}, {cfg.tokens} tokens, capacity {cfg.capacity_factor}, "
-            f"one process, device {dev}, median of {repeats}.",
+            f"one process, device {dev}, {timing_method(dev, repeats, kernels=False)}.",
             "",
             "| OFF ms | ON ms | ON / OFF |",
             "| ---: | ---: | ---: |",

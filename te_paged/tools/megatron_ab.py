@@ -36,7 +36,13 @@ import torch
 import torch.distributed as dist
 
 from te_paged.runtime.memory import PeakMemoryMeter
-from te_paged.tools.ab import RankResult, StepResult
+from te_paged.tools.ab import (
+    RankResult,
+    StepResult,
+    capturing,
+    pool_and_s_bytes,
+    rank_result,
+)
 from te_paged.tools.model import ModelConfig
 
 __all__ = [
@@ -101,6 +107,7 @@ class TrainRun:
     managers: list
     pool_bytes: list[int] = dataclasses.field(default_factory=list)  # per step
     s_bytes: list[int] = dataclasses.field(default_factory=list)  # per step (see module doc)
+    memory_method: str = "not measured"
 
 
 def _transformer_config(cfg: MegatronModelConfig, ep: int):
@@ -277,6 +284,7 @@ def train(
         ddp.zero_grad_buffer()
         for manager in runner.managers:
             manager.reset()  # allocates the pool after the capture step: outside the meter
+        capture = capturing(runner.managers)
         meter = PeakMemoryMeter(device) if cfg.measure_memory else None
         with meter if meter is not None else contextlib.nullcontext():
             runner.before_rerun = None if meter is None else meter.new_iteration
@@ -298,6 +306,8 @@ def train(
         clear_aux_losses_tracker()  # as Megatron's training loop does after logging
         run.params.append([p.detach().cpu().clone() for p in ddp.module.parameters()])
         loss = torch.stack([x["lm loss"] for x in losses]).mean()
+        pool, s_bytes = pool_and_s_bytes(runner.managers)
+        stats = [m.stats() for m in runner.managers]
         run.steps.append(
             StepResult(
                 float(loss),
@@ -308,28 +318,20 @@ def train(
                 record.overbudget_ranks,
                 record.host_spill_ranks,
                 meter.report.peak_bytes if meter else 0,
-                dataclasses.asdict(record)
-                | {"memory_method": meter.report.method if meter else "not measured"},
+                dataclasses.asdict(record),
+                capture,
+                pool,
+                s_bytes,
+                sum(s.stashes for s in stats),
+                sum(s.pops for s in stats),
             )
         )
-        pool, s_bytes = _pool_and_s(runner.managers)
+        run.memory_method = meter.report.method if meter else "not measured"
         run.pool_bytes.append(pool)
         run.s_bytes.append(s_bytes)
         if progress is not None:
             progress(f"megatron {'ON ' if paged else 'OFF'} step {step + 1}/{cfg.steps}")
     return run
-
-
-def _pool_and_s(managers: list) -> tuple[int, int]:
-    """``(pool bytes, S bytes)`` of the managers now (0, 0 while no pool is allocated)."""
-    pool = s_bytes = 0
-    for manager in managers:
-        stats = manager.stats()
-        pool += stats.pool_bytes
-        for key, buf in manager.buffers.items():
-            rows = stats.capture_peak_balanced_rows[str(key)]
-            s_bytes += rows * key.hidden * buf.pool_NH.element_size()
-    return pool, s_bytes
 
 
 def same_steps(a: TrainRun, b: TrainRun) -> list[bool]:
@@ -364,22 +366,6 @@ def run_megatron_ab(
         on = train(cfg, True, ep, device, rank, progress)
     equal = same_steps(on, off)
     (manager,) = on.managers
-    stats = manager.stats()
-    # Report the last step after the capture step whose kept attempt used the stash (reruns
-    # are global, so every rank picks the same one).
-    kept = [i for i, st in enumerate(on.steps) if i > 0 and st.attempt == 1]
-    step = kept[-1] if kept else None
-    return RankResult(
-        rank,
-        on.steps,
-        off.steps,
-        equal,
-        on.pool_bytes[step] if step is not None else 0,
-        stats.host_pool_bytes,
-        on.s_bytes[step] if step is not None else 0,
-        stats.stashes,
-        stats.pops,
-        on.steps[-1].record["memory_method"],
-        [],
-        memory_step=step,
+    return rank_result(
+        rank, on.steps, off.steps, equal, manager.stats().host_pool_bytes, on.memory_method, []
     )

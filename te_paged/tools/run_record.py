@@ -1,0 +1,71 @@
+"""The run record: what ``te-paged ab --json PATH`` writes, versioned and strict JSON.
+
+The record is :class:`~te_paged.tools.ab.ABResult` as a dict plus what a reader needs to trust
+and reproduce it: ``schema_version``, the te_paged and torch versions, the engine and the
+command line. A value that is undefined or not finite (a ratio against a model that is not
+positive, a loss that overflowed) is written as ``null``, never as ``NaN`` or ``Infinity``,
+which strict parsers (``JSON.parse``, ``json.loads`` with ``parse_constant`` raising) reject.
+Every field is documented in docs/run-record.md; ``run_record.schema.json`` next to this module
+is the JSON Schema (draft 2020-12) the tests validate every record against.
+
+Bump :data:`SCHEMA_VERSION` when a field is removed, renamed or changes meaning or unit, and
+update the schema and docs/run-record.md with it; adding a field also needs both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+import json
+import math
+from typing import Any
+
+import torch
+
+from te_paged._version import __version__
+from te_paged.tools.ab import ABResult
+
+__all__ = ["SCHEMA_FILE", "SCHEMA_VERSION", "build_record", "dumps", "load_schema"]
+
+SCHEMA_VERSION = 1
+SCHEMA_FILE = "run_record.schema.json"
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every non-finite float (NaN, ±inf) replaced by None, recursively."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def build_record(result: ABResult, engine: str, command: list[str]) -> dict[str, Any]:
+    """The record of one ``ab`` run. ``command`` is the command line as ``sys.argv`` holds it
+    (the program first)."""
+    if engine not in ("default", "megatron"):
+        raise ValueError(f"engine must be 'default' or 'megatron', got {engine!r}")
+    record = {
+        "schema_version": SCHEMA_VERSION,
+        "te_paged_version": __version__,
+        "torch_version": torch.__version__,
+        "command": [str(a) for a in command],
+        "engine": engine,
+        "equal": result.equal,
+        **dataclasses.asdict(result),
+        "memory": result.memory(),
+    }
+    return _finite(record)
+
+
+def dumps(record: dict[str, Any]) -> str:
+    """Strict JSON text of ``record`` (``ValueError`` if a non-finite number slipped through)."""
+    return json.dumps(record, indent=1, allow_nan=False) + "\n"
+
+
+def load_schema() -> dict[str, Any]:
+    """The run record's JSON Schema, as shipped with the package."""
+    text = importlib.resources.files("te_paged.tools").joinpath(SCHEMA_FILE).read_text()
+    return json.loads(text)

@@ -1,0 +1,193 @@
+"""``te-paged``'s parsers: help on every option, one name per knob, Megatron aliases, --version,
+``--device auto``, the progress lines, and the checks that refuse flags of the other mode."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import io
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from te_paged import cli
+from te_paged._version import __version__
+from te_paged.runtime.planner import min_profile_steps
+from te_paged.tools import ab_command, bench_command, plan_command
+from te_paged.tools.progress import Progress
+
+BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
+
+
+def _benchmark_parser(name: str) -> argparse.ArgumentParser:
+    spec = importlib.util.spec_from_file_location(f"benchmarks.{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (dataclasses look their module up there)
+    spec.loader.exec_module(module)
+    return module.parser()
+
+
+def _walk(parser: argparse.ArgumentParser, name: str) -> Iterator[tuple[str, argparse.Action]]:
+    """``(command, option)`` for every option of ``parser`` and of its subcommands."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub_name, sub in action.choices.items():
+                yield from _walk(sub, f"{name} {sub_name}")
+        elif action.option_strings:
+            yield name, action
+
+
+def _says_nothing(action: argparse.Action) -> bool:
+    """No help, or help that is only a parenthesis, e.g. ``"(%(default)s)"``."""
+    text = action.help
+    if text is None or text == argparse.SUPPRESS:
+        return True
+    return not re.search(r"[A-Za-z]{2,}", re.sub(r"\([^()]*\)", "", text))
+
+
+def _undocumented(parser: argparse.ArgumentParser, name: str) -> list[str]:
+    return [f"{cmd} {'/'.join(a.option_strings)}" for cmd, a in _walk(parser, name)
+            if _says_nothing(a)]  # fmt: skip
+
+
+def _all_parsers() -> list[tuple[argparse.ArgumentParser, str]]:
+    return [
+        (cli._parser(), "te-paged"),
+        (_benchmark_parser("bench_stash"), "bench_stash.py"),
+        (_benchmark_parser("bench_grouped_linear"), "bench_grouped_linear.py"),
+    ]
+
+
+def test_every_option_of_every_command_has_help() -> None:
+    missing = [m for parser, name in _all_parsers() for m in _undocumented(parser, name)]
+    assert not missing, missing
+    # and the walk finds what it looks for: a bare option and an empty parenthesis are caught
+    p = argparse.ArgumentParser(prog="x")
+    sub = p.add_subparsers().add_parser("y")
+    sub.add_argument("--bare")
+    sub.add_argument("--only-default", default=1, help="(%(default)s)")
+    sub.add_argument("--fine", help="a real sentence (%(default)s)")
+    assert _undocumented(p, "x") == ["x y --bare", "x y --only-default"]
+
+
+def test_one_name_per_knob_and_megatron_aliases() -> None:
+    parser = cli._parser()
+    spellings: dict[str, set[tuple[str, ...]]] = {}
+    for cmd, action in _walk(parser, "te-paged"):
+        if action.dest == "help":
+            continue
+        flag = action.option_strings[0]
+        assert action.dest == flag[2:].replace("-", "_"), (cmd, action.option_strings)
+        spellings.setdefault(action.dest, set()).add(tuple(action.option_strings))
+    differing = {dest: s for dest, s in spellings.items() if len(s) > 1}
+    assert not differing, differing  # a knob is spelled the same in ab, plan and bench
+    for flag, alias in cli.MEGATRON_ALIASES.items():
+        assert spellings[flag[2:].replace("-", "_")] == {(flag, alias)}
+    # the five names of one knob are one now: the CUDA pool factor, in every command
+    for argv in (
+        ["ab", "--moe-paged-stash-buffer-size-factor-cuda", "1.3"],
+        ["bench", "--moe-paged-stash-buffer-size-factor-cuda", "1.3"],
+        ["plan", "--model", "deepseek-v3", "--moe-paged-stash-buffer-size-factor-cuda", "1.3"],
+        ["plan", "--model", "deepseek-v3", "--buffer-factor-cuda", "1.3"],
+    ):
+        assert parser.parse_args(argv).buffer_factor_cuda == 1.3, argv
+    args = parser.parse_args(
+        ["ab", "--moe-expert-rank-capacity-factor", "1.7", "--moe-paged-stash-page-size", "16",
+         "--moe-paged-stash-buffer-size-factor-cpu", "0.5"]
+    )  # fmt: skip
+    cfg = ab_command.model_config(args)
+    assert (cfg.capacity_factor, cfg.page_size, cfg.buffer_factor_cpu) == (1.7, 16, 0.5)
+    assert cfg.buffer_factor_cuda == 1.10  # not given: the model's default
+
+
+def test_version(capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out == f"te_paged {__version__}\n"
+
+
+@pytest.mark.parametrize(
+    ("available", "count", "world", "torchrun", "expected"),
+    [
+        (False, 0, 1, False, "cpu"),
+        (True, 4, 4, False, "cuda"),
+        (True, 2, 4, False, "cpu"),  # not a GPU for every spawned rank
+        (True, 1, 4, True, "cuda"),  # under torchrun the launcher places the ranks
+    ],
+)
+def test_device_auto_takes_cuda_when_every_rank_has_a_gpu(
+    monkeypatch, available, count, world, torchrun, expected
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    assert ab_command._resolve_device("auto", world, torchrun) == expected
+    assert ab_command._resolve_device("cpu", world, torchrun) == "cpu"  # explicit: kept
+
+
+def test_device_auto_is_the_default_and_resolved_by_the_checks(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    parser = cli._parser()
+    args = parser.parse_args(["ab"])
+    assert args.device == "auto"
+    assert ab_command.check_ab_args(args) is None and args.device == "cpu"
+    args = parser.parse_args(["bench", "--out-dir", "/nonexistent-te-paged-bench"])
+    assert args.device == "auto"
+    bench_command.check_bench_args(args)
+    assert args.device == "cpu"
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_is_a_line_per_step_in_a_pipe_and_a_bar_on_a_terminal() -> None:
+    piped = io.StringIO()
+    with Progress(4, "te-paged ab (2 ranks, cpu)", file=piped) as progress:
+        for run in ("OFF", "ON "):
+            for step in (1, 2):
+                progress(f"{run} step {step}/2")
+    lines = piped.getvalue().splitlines()
+    assert "\r" not in piped.getvalue() and len(lines) == 5, lines
+    assert lines[0].startswith("te-paged ab (2 ranks, cpu) 0/4 [")
+    assert lines[1].startswith("te-paged ab (2 ranks, cpu) 1/4 [")
+    assert lines[1].endswith(", OFF step 1/2]") and lines[4].endswith(", ON  step 2/2]")
+    terminal = _Terminal()
+    with Progress(4, "te-paged ab", file=terminal) as progress:
+        for _ in range(4):
+            progress("OFF step 1/2")
+    drawn = terminal.getvalue()
+    assert drawn.startswith("\r") and "4/4" in drawn and drawn.endswith("\n")
+
+
+def test_min_profile_steps() -> None:
+    assert min_profile_steps(0.01) == 100  # 1/0.01 is 100.0 exactly: not 101
+    assert min_profile_steps(0.3) == 4
+    assert min_profile_steps(0.5) == 2
+    with pytest.raises(ValueError, match="target_rerun_rate"):
+        min_profile_steps(0)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--profile", "p.json", "--seq-length", "8"], "--seq-length: only with --model"),
+        (
+            ["--profile", "p.json", "--ep", "2", "--layers", "3"],
+            "--ep, --layers: only with --model",
+        ),
+        (["--model", "deepseek-v3", "--hidden", "8"], "--hidden: only with --profile"),
+        (
+            ["--model", "deepseek-v3", "--target-rerun-rate", "0.1"],
+            "--target-rerun-rate: only with --profile",
+        ),
+    ],
+)
+def test_plan_refuses_the_other_sources_flags(argv, message) -> None:
+    args = cli._parser().parse_args(["plan", *argv])
+    assert plan_command.check_plan_args(args) == message
