@@ -1,6 +1,13 @@
 """te_paged: paged stashing of MoE expert activations for PyTorch training.
 
 Importing this package touches no CUDA state and needs neither Triton nor Transformer Engine.
+
+Logging: modules log to ``logging.getLogger(__name__)`` (children of ``te_paged``). No handler
+is attached to the ``te_paged`` logger, deliberately not even a ``NullHandler``: with no logging
+configured, Python's last-resort handler then prints WARNING and above (a runner's fallback) on
+stderr and nothing below it, whereas a ``NullHandler`` would silence the warnings as well.
+``logging.basicConfig(level=logging.INFO)`` (or a level on the ``te_paged`` logger) shows the
+INFO events too: pool sizing, host spills, ``grow_pool``.
 """
 
 from te_paged._version import __version__ as __version__  # re-exported: the one source

@@ -1,9 +1,19 @@
 """NVTX ranges (through the optional ``nvtx`` package) and a pool-occupancy timeline.
 
-``nvtx_range(name)`` marks a region for Nsight Systems when the ``nvtx`` package is installed
-and is a no-op otherwise (looked up once per process, lazily: importing te_paged imports no
-profiler). te_paged marks ``te_paged.stash``, ``te_paged.pop``, ``te_paged.dispatch``,
-``te_paged.combine`` and ``te_paged.experts``.
+``nvtx_range(name, layer=None)`` marks a region for Nsight Systems when the ``nvtx`` package
+is installed and is a no-op otherwise (looked up once per process, lazily: importing te_paged
+imports no profiler). Every range is in the NVTX domain ``te_paged``:
+
+* per layer — ``te_paged.dispatch``, ``te_paged.experts``, ``te_paged.combine`` (te_paged's
+  ``MoELayer``), ``te_paged.stash`` and ``te_paged.pop`` (one saved tensor; the pop carries the
+  layer that stashed it). With a layer number the name ends in ``.layer<N>``
+  (``te_paged.stash.layer3``): the expert module's ``layer_number`` — Megatron's 1-based
+  ``layer_number`` (global across pipeline stages), which ``TransformerLayer`` hands the MoE
+  layer through ``set_layer_number``, or ``MoELayer(layer_number=...)`` /
+  ``TEGroupedMLP(layer_number=...)``. Without one the name has no suffix.
+* per step — ``te_paged.reduce`` (the runner's one flags all-reduce and its host read),
+  ``te_paged.rerun`` (the dropless fallback) and ``te_paged.allocate`` (the pools, allocated
+  at the ``reset()`` after the capture step or after a fallback freed them).
 """
 
 from __future__ import annotations
@@ -14,7 +24,7 @@ import functools
 import importlib.util
 from collections.abc import Iterator
 
-__all__ = ["TimelineEvent", "nvtx_available", "nvtx_range"]
+__all__ = ["TimelineEvent", "nvtx_available", "nvtx_range", "range_name"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -32,13 +42,20 @@ def nvtx_available() -> tuple[bool, str]:
     return True, ""
 
 
+def range_name(name: str, layer: int | None = None) -> str:
+    """``name``, or ``name.layer<N>`` for a range that belongs to layer ``N``."""
+    return name if layer is None else f"{name}.layer{layer}"
+
+
 @contextlib.contextmanager
-def nvtx_range(name: str) -> Iterator[None]:
+def nvtx_range(name: str, layer: int | None = None) -> Iterator[None]:
+    """An NVTX range ``range_name(name, layer)`` in the domain ``te_paged`` (no-op without
+    the ``nvtx`` package)."""
     nvtx = _nvtx()
     if nvtx is None:
         yield
         return
-    with nvtx.annotate(name, domain="te_paged"):
+    with nvtx.annotate(range_name(name, layer), domain="te_paged"):
         yield
 
 

@@ -10,7 +10,8 @@ enums below or, for `activation` and `moe_paged_stash_kernel_backend`, against t
 registered activation, `fp8_recipe` the enum member. Passing an enum member instead of its
 string is accepted and normalised to the string.
 
-Static token budget (see DESIGN.md §1), for one rank with `T` input tokens:
+Static token budget (see DESIGN.md §1 and :mod:`te_paged.config.budget`), for one rank with `T`
+input tokens:
 
     max_num_tokens = ceil(T × moe_router_topk × moe_expert_rank_capacity_factor)   [↑32 for MXFP8]
     avg_num_tokens = floor(max_num_tokens / moe_expert_rank_capacity_factor)       (balanced case)
@@ -24,11 +25,11 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field
-from fractions import Fraction
+from dataclasses import dataclass
 
 import torch
 
+from te_paged.config.budget import balanced_rows, rank_rows
 from te_paged.grouped.activations import (
     ACTIVATIONS,
     ActivationSpec,
@@ -104,7 +105,6 @@ PAGED_STASH_FORBIDDEN_OFFLOAD_MODULES: tuple[str, ...] = (
     "fused_group_mlp",
 )
 PARAMS_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
-MXFP8_BLOCK_SIZE: int = MXFP8_SCALE_BLOCK  # the one constant, defined by the markers
 
 
 def _allowed(enum_cls: type[enum.Enum]) -> str:
@@ -119,14 +119,13 @@ def _is_real(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _exact(value: float) -> Fraction:
-    # The decimal the user wrote, not its binary float: 100 × 2 × 1.1 must give 220, not 221.
-    return Fraction(repr(float(value)))
-
-
-@dataclass
+@dataclass(frozen=True, kw_only=True, slots=True)
 class MoEConfig:
-    """Configuration of one MoE expert layer and its paged activation stash."""
+    """Configuration of one MoE expert layer and its paged activation stash.
+
+    Frozen: change a field with ``dataclasses.replace`` (which validates the new config).
+    Construction normalises what it is given (an enum member becomes its string, a list of
+    module names a tuple) and then validates; validation changes nothing."""
 
     # Model sizes.
     hidden_size: int = 64
@@ -154,9 +153,9 @@ class MoEConfig:
     moe_paged_stash_buffer_size_factor_cpu: float = 0.0
     # Recompute and offloading.
     recompute_granularity: str | None = None
-    recompute_modules: list[str] = field(default_factory=list)
+    recompute_modules: tuple[str, ...] = ()
     cpu_offloading: bool = False
-    offload_modules: list[str] = field(default_factory=list)
+    offload_modules: tuple[str, ...] = ()
     # Precision, parallelism, kernels.
     fp8: str | None = None
     activation_func_fp8_input_store: bool = False  # store the activation's saved input as FP8
@@ -165,11 +164,19 @@ class MoEConfig:
     moe_paged_stash_kernel_backend: str = "auto"
 
     def __post_init__(self) -> None:
-        # Copy the lists so that a caller's list (or one shared via `replace`) is not aliased;
-        # a bare string is left for validate() to reject rather than split into characters.
+        # Normalise what construction was given (frozen: through object.__setattr__, here only).
+        # Lists become tuples, so a caller's list is not aliased; a bare string is left for
+        # validate() to reject rather than split into characters.
+        def _value(v: object) -> object:
+            return v.value if isinstance(v, enum.Enum) else v
+
+        for name in ("activation", "moe_paged_stash_kernel_backend", "fp8",
+                     "recompute_granularity"):  # fmt: skip
+            object.__setattr__(self, name, _value(getattr(self, name)))
         for name in ("recompute_modules", "offload_modules"):
-            if not isinstance(getattr(self, name), str):
-                setattr(self, name, list(getattr(self, name)))
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                object.__setattr__(self, name, tuple(_value(m) for m in value))
         self.validate()
 
     # ----------------------------------------------------------------------------------------------
@@ -201,23 +208,24 @@ class MoEConfig:
         """The stash kernel backend's name (registered in :mod:`te_paged.kernels`, or auto)."""
         return self.moe_paged_stash_kernel_backend
 
+    @property
+    def budget_block(self) -> int:
+        """Row multiple of every static budget: one MXFP8 scale row covers 32 token rows."""
+        return MXFP8_SCALE_BLOCK if self.fp8 == Fp8Recipe.MXFP8.value else 1
+
     def max_num_tokens(self, num_tokens: int) -> int:
         """Static per-rank expert-input rows for `num_tokens` input tokens (see module doc)."""
         factor = self._require_capacity_factor("max_num_tokens")
         if not _is_int(num_tokens) or num_tokens < 0:
             raise ValueError(f"num_tokens must be a non-negative int; got {num_tokens!r}")
-        rows = math.ceil(num_tokens * self.moe_router_topk * _exact(factor))
-        if self.fp8 == Fp8Recipe.MXFP8.value:
-            # One MXFP8 scale row covers 32 token rows, so the budget must be whole blocks.
-            rows = -(-rows // MXFP8_BLOCK_SIZE) * MXFP8_BLOCK_SIZE
-        return rows
+        return rank_rows(num_tokens, self.moe_router_topk, factor, self.budget_block)
 
     def avg_num_tokens(self, max_num_tokens: int) -> int:
         """Balanced-case rows for a static budget of `max_num_tokens` rows."""
         factor = self._require_capacity_factor("avg_num_tokens")
         if not _is_int(max_num_tokens) or max_num_tokens < 0:
             raise ValueError(f"max_num_tokens must be a non-negative int; got {max_num_tokens!r}")
-        return math.floor(max_num_tokens / _exact(factor))
+        return balanced_rows(max_num_tokens, factor)
 
     def _require_capacity_factor(self, what: str) -> float:
         if self.moe_expert_rank_capacity_factor is None:
@@ -276,10 +284,10 @@ class MoEConfig:
             )
         if self.fp8 == Fp8Recipe.MXFP8.value:
             for name in ("hidden_size", "moe_ffn_hidden_size"):
-                if getattr(self, name) % MXFP8_BLOCK_SIZE != 0:
+                if getattr(self, name) % MXFP8_SCALE_BLOCK != 0:
                     problems.append(
-                        f"fp8='mxfp8' needs {name} to be a multiple of {MXFP8_BLOCK_SIZE} (got "
-                        f"{getattr(self, name)}); pad {name} to a multiple of {MXFP8_BLOCK_SIZE} "
+                        f"fp8='mxfp8' needs {name} to be a multiple of {MXFP8_SCALE_BLOCK} (got "
+                        f"{getattr(self, name)}); pad {name} to a multiple of {MXFP8_SCALE_BLOCK} "
                         "or use fp8='tensorwise'"
                     )
 
@@ -289,10 +297,7 @@ class MoEConfig:
             ("moe_paged_stash_kernel_backend", backend_choices()),
         ):
             value = getattr(self, name)
-            value = getattr(value, "value", value)  # an enum member names its value
-            if value in registered:
-                setattr(self, name, value)
-            else:
+            if value not in registered:
                 problems.append(f"{name}={value!r} is not registered; use one of "
                                 f"{', '.join(repr(n) for n in registered)}")  # fmt: skip
         choices: tuple[tuple[str, type[enum.Enum], bool], ...] = (
@@ -303,9 +308,7 @@ class MoEConfig:
             value = getattr(self, name)
             if value is None and nullable:
                 continue
-            try:
-                setattr(self, name, enum_cls(value).value)  # normalise enum members to str
-            except ValueError:
+            if value not in {m.value for m in enum_cls}:
                 none = "None or " if nullable else ""
                 problems.append(
                     f"{name}={value!r} is not supported; use {none}one of {_allowed(enum_cls)}"
@@ -313,11 +316,9 @@ class MoEConfig:
         for name in ("recompute_modules", "offload_modules"):
             if isinstance(getattr(self, name), str):
                 problems.append(f"{name} must be a list of names, e.g. ['moe_act']; got a str")
-                setattr(self, name, [getattr(self, name)])
-        for i, module in enumerate(self.recompute_modules):
-            try:
-                self.recompute_modules[i] = RecomputeModule(module).value
-            except ValueError:
+        modules = self.recompute_modules
+        for module in () if isinstance(modules, str) else modules:
+            if module not in {m.value for m in RecomputeModule}:
                 problems.append(
                     f"recompute_modules contains unknown module {module!r}; "
                     f"allowed: {_allowed(RecomputeModule)}"
@@ -415,7 +416,7 @@ class MoEConfig:
     def _check_recompute_and_offload(self, problems: list[str]) -> None:
         if self.recompute_modules and self.recompute_granularity != "selective":
             problems.append(
-                f"recompute_modules={self.recompute_modules!r} is only honoured with "
+                f"recompute_modules={list(self.recompute_modules)!r} is only honoured with "
                 f"recompute_granularity='selective' (got {self.recompute_granularity!r}); "
                 "set recompute_granularity='selective' or recompute_modules=[]"
             )
@@ -426,7 +427,9 @@ class MoEConfig:
                 "moe_paged_stash=True is incompatible with cpu_offloading=True (both would own "
                 "the expert activations); set cpu_offloading=False or moe_paged_stash=False"
             )
-        clash = [m for m in self.offload_modules if m in PAGED_STASH_FORBIDDEN_OFFLOAD_MODULES]
+        offload = self.offload_modules
+        offload = (offload,) if isinstance(offload, str) else offload
+        clash = [m for m in offload if m in PAGED_STASH_FORBIDDEN_OFFLOAD_MODULES]
         if clash:
             problems.append(
                 f"moe_paged_stash=True is incompatible with offload_modules containing {clash!r} "

@@ -53,7 +53,6 @@ _INVALID = tl.constexpr(int(Flag.INVALID))
 _ROWS = tl.constexpr(int(Meta.ROWS))
 _TIER = tl.constexpr(int(Meta.TIER))
 _POPPED = tl.constexpr(int(Meta.POPPED))
-_NONE = tl.constexpr(int(Tier.NONE))
 _DEVICE = tl.constexpr(int(Tier.DEVICE))
 _HOST = tl.constexpr(int(Tier.HOST))
 

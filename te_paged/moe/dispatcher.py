@@ -48,8 +48,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from te_paged.config import Fp8Recipe, MoEConfig
-from te_paged.config.moe_config import MXFP8_BLOCK_SIZE
+from te_paged.config import MoEConfig
+from te_paged.config.budget import rank_rows, round_up, split_rows
+from te_paged.config.checks import require_real
 from te_paged.moe.config_adapter import as_moe_config
 
 __all__ = ["DispatchHandle", "StaticBudgetDispatcher", "static_budget"]
@@ -70,23 +71,30 @@ RankBudget = Callable[[int, float], int]
 
 
 def static_budget(
-    config: MoEConfig, num_tokens: int, ep_size: int, rank_budget: RankBudget | None = None
+    config: MoEConfig,
+    num_tokens: int,
+    ep_size: int,
+    rank_budget: RankBudget | None = None,
+    *,
+    capacity_factor: float | None = None,
 ) -> tuple[int, int]:
-    """``(max_num_tokens, pair_capacity)`` of one rank with ``num_tokens`` local tokens.
+    """``(max_num_tokens, pair_capacity)`` of one rank with ``num_tokens`` local tokens, at
+    ``capacity_factor`` (default: the config's).
 
     Example: 100 tokens, top-2, factor 1.1, 4 ranks: 220 rows → 220 (a multiple of 4), pair
     capacity 55; with MXFP8, 220 → 224 (lcm(4, 32) = 32), pair capacity 56. ``rank_budget``
     replaces the first step (e.g. Megatron HybridEP's rule, see the Megatron integration).
+    Pure arithmetic (:mod:`te_paged.config.budget`): nothing is rebuilt or revalidated.
     """
+    factor = config.moe_expert_rank_capacity_factor if capacity_factor is None else capacity_factor
+    if factor is None:
+        raise ValueError("static_budget needs a capacity factor; the config has none")
+    block = config.budget_block
     if rank_budget is None:
-        rows = config.max_num_tokens(num_tokens)
+        rows = rank_rows(num_tokens, config.moe_router_topk, factor, block)
     else:
-        rows = rank_budget(num_tokens, config.moe_expert_rank_capacity_factor)
-    align = ep_size
-    if config.fp8 == Fp8Recipe.MXFP8.value:
-        align = math.lcm(ep_size, MXFP8_BLOCK_SIZE)
-    rows = -(-rows // align) * align
-    return rows, rows // ep_size
+        rows = rank_budget(num_tokens, factor)
+    return split_rows(rows, ep_size, block)
 
 
 def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -175,13 +183,9 @@ class StaticBudgetDispatcher(nn.Module):
         self.config, self.group = cfg, ep_group
         if capacity_factor is FROM_CONFIG:
             capacity_factor = cfg.moe_expert_rank_capacity_factor
-        # The budget is computed by MoEConfig (it validates the factor and keeps the exact
-        # decimal arithmetic) on a copy that carries this dispatcher's factor.
-        self._budget_config: MoEConfig | None = None
         if capacity_factor is not None:
-            self._budget_config = dataclasses.replace(
-                cfg, moe_expert_rank_capacity_factor=capacity_factor
-            )
+            capacity_factor = require_real("capacity_factor", capacity_factor, strict=True)
+        self._capacity_factor: float | None = capacity_factor
         self.ep_size = 1 if ep_group is None else dist.get_world_size(ep_group)
         self.ep_rank = 0 if ep_group is None else dist.get_rank(ep_group)
         experts, cfg_ep = cfg.num_moe_experts, cfg.expert_model_parallel_size
@@ -212,8 +216,7 @@ class StaticBudgetDispatcher(nn.Module):
     @property
     def capacity_factor(self) -> float | None:
         """The static budget's factor; ``None``: always dropless."""
-        cfg = self._budget_config
-        return None if cfg is None else cfg.moe_expert_rank_capacity_factor
+        return self._capacity_factor
 
     @property
     def dropless(self) -> bool:
@@ -249,8 +252,9 @@ class StaticBudgetDispatcher(nn.Module):
         balanced = max(1, num_tokens * topk)
         factor = max(0.01, math.ceil(100 * peak_pair_tokens * self.ep_size / balanced) / 100)
         while True:  # the estimate ignores rounding; step up until the real budget fits
-            cfg = dataclasses.replace(self.config, moe_expert_rank_capacity_factor=factor)
-            pair = static_budget(cfg, num_tokens, self.ep_size, self.rank_budget)[1]
+            pair = static_budget(
+                self.config, num_tokens, self.ep_size, self.rank_budget, capacity_factor=factor
+            )[1]
             if pair >= peak_pair_tokens:
                 return factor
             factor = round(factor + 0.01, 2)
@@ -319,7 +323,9 @@ class StaticBudgetDispatcher(nn.Module):
         if dropless:
             cap = self._dropless_capacity(demand_P)
         else:
-            self.budget_tokens, cap = static_budget(self._budget_config, n, p, self.rank_budget)
+            self.budget_tokens, cap = static_budget(
+                self.config, n, p, self.rank_budget, capacity_factor=self._capacity_factor
+            )
             self.pair_capacity = cap
         self.last_num_tokens = n
         rows = p * cap
@@ -362,8 +368,7 @@ class StaticBudgetDispatcher(nn.Module):
         out_rows = rows
         if dropless:
             out_rows = int(tokens_per_expert_L.sum())  # host read: dropless mode only
-            if self.config.fp8 == Fp8Recipe.MXFP8.value:  # whole scale blocks, zero-padded
-                out_rows = -(-out_rows // MXFP8_BLOCK_SIZE) * MXFP8_BLOCK_SIZE
+            out_rows = round_up(out_rows, self.config.budget_block)  # MXFP8: whole scale blocks
             permuted_TH = _resize_rows(permuted_TH, out_rows)
             permuted_T = _resize_rows(permuted_T, out_rows)
         handle = DispatchHandle(n, k, hidden, rows, out_rows, slot_A, inverse_S, dropless)

@@ -24,6 +24,7 @@ Nothing in forward or backward reads ``tokens_per_expert`` on the host.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -42,15 +43,28 @@ from te_paged.stash import PagedStashManager
 __all__ = ["TEGroupedMLP"]
 
 
+def _manager_device(device: torch.device | str | None) -> torch.device | str | None:
+    """Where an owned manager goes: with the parameters (on ``device``, else torch's default
+    device), since a manager elsewhere refuses every scope. Under a meta-device init the
+    manager keeps its own default (the current accelerator)."""
+    if device is not None:
+        return device
+    default = torch.get_default_device()
+    return default if default.type in ("cpu", "cuda") else None
+
+
 class TEGroupedMLP(nn.Module, PagedStashParticipant):
     """Grouped expert MLP with paged stashing of its saved activations.
 
     ``TEGroupedMLP(num_local_experts, config, submodules=None, pg_collection=None, name=None,
-    *, manager=None, device=None)`` — the first five are Megatron's expert-module arguments
-    (``config`` may be Megatron's ``TransformerConfig``; ``submodules``/``pg_collection`` are
-    accepted for compatibility and unused: te_paged's experts are not tensor-parallel).
-    ``manager`` is the :class:`PagedStashManager` shared by the model's MoE layers; with
-    ``moe_paged_stash`` and no manager the module owns one.
+    *, manager=None, device=None, layer_number=None)`` — the first five are Megatron's
+    expert-module arguments (``config`` may be Megatron's ``TransformerConfig``;
+    ``submodules``/``pg_collection`` are accepted for compatibility and unused: te_paged's
+    experts are not tensor-parallel). ``manager`` is the :class:`PagedStashManager` shared by
+    the model's MoE layers; with ``moe_paged_stash`` and no manager the module owns one, on
+    ``device`` (default: torch's default device, where the parameters are made).
+    ``layer_number`` (or :meth:`set_layer_number`, Megatron's hook) names this layer's NVTX
+    ranges (``te_paged.stash.layer<N>``); ``None``: unnumbered.
 
     ``forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)`` returns
     ``(output, None)``: FC2's bias, if any, is applied inside, weighted by the routing
@@ -67,6 +81,7 @@ class TEGroupedMLP(nn.Module, PagedStashParticipant):
         *,
         manager: PagedStashManager | None = None,
         device: torch.device | str | None = None,
+        layer_number: int | None = None,
     ) -> None:
         super().__init__()
         cfg = as_moe_config(config)
@@ -84,6 +99,7 @@ class TEGroupedMLP(nn.Module, PagedStashParticipant):
         if num_local_experts < 1:
             raise ValueError(f"num_local_experts must be >= 1, got {num_local_experts}")
         self.config, self.name = cfg, name
+        self.layer_number = layer_number
         self.num_local_experts = num_local_experts
         kw = {
             "params_dtype": cfg.params_dtype,
@@ -104,13 +120,18 @@ class TEGroupedMLP(nn.Module, PagedStashParticipant):
             **kw,
         )
         if cfg.moe_paged_stash and manager is None:
-            manager = PagedStashManager.from_config(cfg, device or "cpu")
+            manager = PagedStashManager.from_config(cfg, _manager_device(device))
         self.manager = manager
+        self._balanced_num_tokens: int | None = None  # see balanced_tokens()
         if cfg.use_transformer_engine_op_fuser and not cfg.moe_use_grouped_tensor:
             raise ValueError(
                 "use_transformer_engine_op_fuser=True runs the device-initiated grouped GEMMs: "
                 "set moe_use_grouped_tensor=True"
             )
+
+    def set_layer_number(self, layer_number: int | None) -> None:
+        """Megatron's hook (its ``MoELayer`` has the same): the number NVTX ranges carry."""
+        self.layer_number = layer_number
 
     def paged_stash_managers(self) -> tuple[PagedStashManager, ...]:
         """The runner protocol (:class:`~te_paged.moe.participant.PagedStashParticipant`)."""
@@ -119,6 +140,18 @@ class TEGroupedMLP(nn.Module, PagedStashParticipant):
     def invalid_count_flags(self) -> tuple[torch.Tensor, ...]:
         """The runner protocol: the linears' counters of invalid ``tokens_per_expert``."""
         return (self.linear_fc1.invalid_splits, self.linear_fc2.invalid_splits)
+
+    @contextlib.contextmanager
+    def balanced_tokens(self, num_tokens: int) -> Iterator[None]:
+        """Within this block the stash sizes its pool from ``num_tokens`` balanced rows — the
+        exact ``N·K`` the dispatcher knows (te_paged's ``MoELayer`` and the Megatron layer pass
+        it) — instead of estimating ``floor(max_num_tokens / capacity_factor)`` from the
+        rounded budget (e.g. 203 for 200)."""
+        previous, self._balanced_num_tokens = self._balanced_num_tokens, int(num_tokens)
+        try:
+            yield
+        finally:
+            self._balanced_num_tokens = previous
 
     def backward_dw(self) -> None:
         """Megatron's delayed weight-gradient hook. te_paged computes weight gradients in the
@@ -130,8 +163,10 @@ class TEGroupedMLP(nn.Module, PagedStashParticipant):
         cfg = self.config
         if not cfg.moe_paged_stash or self.manager is None or not self.manager.enabled:
             return contextlib.nullcontext()
-        avg = cfg.avg_num_tokens(max_num_tokens)
-        return self.manager.scope(max_num_tokens, num_tokens, avg)
+        avg = self._balanced_num_tokens
+        if avg is None:  # not told by the dispatcher: estimated from the rounded budget
+            avg = cfg.avg_num_tokens(max_num_tokens)
+        return self.manager.scope(max_num_tokens, num_tokens, avg, layer=self.layer_number)
 
     def forward(
         self,

@@ -71,13 +71,14 @@ class MoELayer(nn.Module, PagedStashParticipant):
 
     ``MoELayer(config, ep_group=None, manager=None, *, device=None, seed=None,
     score_function="softmax", expert_bias=False, aux_loss_coeff=0.0, capacity_factor=<from
-    config>)``; ``forward(x [..., H]) -> (y [..., H], aux_loss)``.
+    config>, layer_number=None)``; ``forward(x [..., H]) -> (y [..., H], aux_loss)``.
 
     ``manager`` is the :class:`PagedStashManager` shared by the model's layers (with
     ``moe_paged_stash`` and none given, the experts own one). ``seed`` makes the weights
     EP-invariant (see :func:`init_expert_weights_`); without it they come from torch's default
     generator (the same on every rank after ``torch.manual_seed``, but not EP-invariant for
-    the experts).
+    the experts). ``layer_number`` (as Megatron numbers layers: 1-based) names the layer's
+    NVTX ranges (``te_paged.dispatch.layer<N>``, ``te_paged.stash.layer<N>``, ...).
     """
 
     def __init__(
@@ -92,6 +93,7 @@ class MoELayer(nn.Module, PagedStashParticipant):
         expert_bias: bool = False,
         aux_loss_coeff: float = 0.0,
         capacity_factor: float | object | None = FROM_CONFIG,
+        layer_number: int | None = None,
     ) -> None:
         super().__init__()
         cfg = as_moe_config(config)
@@ -107,7 +109,11 @@ class MoELayer(nn.Module, PagedStashParticipant):
             cfg, ep_group, capacity_factor=capacity_factor, device=device
         )
         self.experts = TEGroupedMLP(
-            self.dispatcher.num_local_experts, cfg, manager=manager, device=device
+            self.dispatcher.num_local_experts,
+            cfg,
+            manager=manager,
+            device=device,
+            layer_number=layer_number,
         )
         if seed is not None:
             init_expert_weights_(self, seed)
@@ -115,6 +121,14 @@ class MoELayer(nn.Module, PagedStashParticipant):
     @property
     def manager(self) -> PagedStashManager | None:
         return self.experts.manager
+
+    @property
+    def layer_number(self) -> int | None:
+        return self.experts.layer_number
+
+    def set_layer_number(self, layer_number: int | None) -> None:
+        """Megatron's hook: the number this layer's NVTX ranges carry."""
+        self.experts.set_layer_number(layer_number)
 
     @property
     def dropless(self) -> bool:
@@ -139,16 +153,21 @@ class MoELayer(nn.Module, PagedStashParticipant):
             raise ValueError(f"x must be [..., {hidden}], got {tuple(x.shape)}")
         x_NH = x.reshape(-1, hidden)
         routing = self.router(x_NH)
-        with nvtx_range("te_paged.dispatch"):
+        layer = self.layer_number
+        with nvtx_range("te_paged.dispatch", layer):
             permuted_TH, tokens_per_expert_L, probs_T, handle = self.dispatcher.dispatch(
                 x_NH, routing.probs, routing.indices
             )
         manager = self.manager
-        with nvtx_range("te_paged.experts"):
+        with nvtx_range("te_paged.experts", layer):
             # Dynamic-shaped rows have no static budget to page against: run unstashed.
             off = handle.dropless and manager is not None
-            with manager.disabled() if off else contextlib.nullcontext():
+            balanced = handle.num_tokens * handle.topk  # N·K: exact, no estimate
+            with (
+                manager.disabled() if off else contextlib.nullcontext(),
+                self.experts.balanced_tokens(balanced),
+            ):
                 out_TH, _ = self.experts(permuted_TH, tokens_per_expert_L, probs_T)
-        with nvtx_range("te_paged.combine"):
+        with nvtx_range("te_paged.combine", layer):
             y_NH = self.dispatcher.combine(out_TH, handle)
         return y_NH.view(x.shape), routing.aux_loss

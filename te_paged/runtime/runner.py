@@ -12,11 +12,11 @@ result equals that of a run that never overflowed. Per step the runner:
    :class:`~te_paged.moe.participant.PagedStashParticipant` protocol;
 2. snapshots what the step consumes (:meth:`PagedStashRunner.snapshot_state`: torch's CPU and
    CUDA generators; a framework runner adds its own, e.g. Megatron's RNG tracker);
-3. runs the step, then one ``all_reduce(SUM)`` over a small vector: three 0/1 flags
-   [stash overflow, over budget, host spill] (summed into counts of ranks) followed by one slot
-   per rank with its step index and statistics (zero elsewhere, so the sum *is* the gather).
-   That is the only device→host read of a step without fallback. Ranks whose step indices
-   differ skipped or repeated a step: :class:`StepDesyncError`, naming them;
+3. runs the step, then one ``all_reduce(SUM)`` over a small vector: one slot per rank with
+   its step index, its 0/1 flags [stash overflow, over budget, host spill] and statistics
+   (zero elsewhere, so the sum *is* the gather). That is the only device→host read of a step
+   without fallback. Ranks whose step indices differ skipped or repeated a step:
+   :class:`StepDesyncError`, naming them;
 4. on overflow or over budget: restores the snapshot, zeroes what the attempt accumulated
    (:meth:`PagedStashRunner.clear_gradients`, then the ``before_rerun`` hook for a framework's
    own buffers), frees the pools and reruns inside ``manager.disabled()`` and the
@@ -33,6 +33,13 @@ counts, and a router run again inside backward (activation recomputation) is not
 A runaway guard stops the prior art's failure mode — a faulty signal that made every step rerun
 until the dropless fallback ran out of memory: after ``max_consecutive_fallbacks`` fallbacks in
 a row the next one raises :class:`FallbackLimitError` with the factors that would have fitted.
+
+Logging (logger ``te_paged.runtime.runner``, on the group's rank 0; the other ranks log the
+same at DEBUG): a fallback at WARNING, before the rerun — the step, why (the ranks that
+overflowed, went over budget or spilled), the suggested factors; a host spill without a
+rerun, and ``grow_pool`` raising the pool factor, at INFO. A guard trip is reported by its
+exception only. NVTX ranges: ``te_paged.reduce`` (the flags' reduction and host read) and
+``te_paged.rerun``.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ import dataclasses
 import datetime
 import functools
 import json
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -58,6 +66,7 @@ from te_paged.moe.participant import Participants, find_participants
 from te_paged.runtime.memory import measure_peak
 from te_paged.runtime.planner import RoutingProfile
 from te_paged.stash import PagedStashManager
+from te_paged.telemetry import nvtx_range
 
 __all__ = [
     "FallbackLimitError",
@@ -69,6 +78,9 @@ __all__ = [
 ]
 
 _MARGIN = 1.05  # headroom on suggested factors, so a repeat of the same peak fits
+_FLAGS = 3  # per rank: stash overflow, over budget, host spill
+
+logger = logging.getLogger(__name__)
 
 
 class FallbackLimitError(RuntimeError):
@@ -224,7 +236,7 @@ class PagedStashRunner:
         return dist.get_rank(self.group), dist.get_world_size(self.group)
 
     def _local_stats(self, device: torch.device) -> tuple[torch.Tensor, list[str]]:
-        """Device vector: [overflow, overbudget, spill] then this rank's slot: [step, invalid,
+        """This rank's slot, a device vector: [step, invalid, overflow, overbudget, spill,
         peak_tokens, peak_pair, hwm per key...]."""
         zero = torch.zeros((), dtype=torch.int64, device=device)
         overflow = spill = invalid = zero
@@ -244,24 +256,23 @@ class PagedStashRunner:
             peak_pair = torch.maximum(peak_pair, d.peak_pair_tokens.to(device).long())
         for flag in self.participants.invalid_flags:
             invalid = invalid + (flag > 0).long().to(device)
-        flags = torch.stack([(overflow > 0).long(), (over > 0).long(), (spill > 0).long()])
+        flags = [(overflow > 0).long(), (over > 0).long(), (spill > 0).long()]
         step = torch.full((1,), self.step_index, dtype=torch.int64, device=device)
-        mine = [step, (invalid > 0).long().reshape(1), peak.reshape(1), peak_pair.reshape(1)]
-        mine += [h.reshape(1) for h in hwm.values()]
-        return torch.cat([flags, *mine]), list(hwm)
+        mine = [step, (invalid > 0).long().reshape(1), *(f.reshape(1) for f in flags)]
+        mine += [peak.reshape(1), peak_pair.reshape(1), *(h.reshape(1) for h in hwm.values())]
+        return torch.cat(mine), list(hwm)
 
-    def _reduce(self) -> tuple[list[int], list[list[int]], list[str]]:
-        """One ``all_reduce(SUM)``: three flags summed into rank counts, then one slot per rank
-        (zero elsewhere, so the sum is a gather) with its step index and statistics. Returns
-        the flags, each rank's slot after the step index ([invalid, peak, pair, hwm...]) and
-        the pool keys."""
+    def _reduce(self) -> tuple[list[list[int]], list[list[int]], list[str]]:
+        """One ``all_reduce(SUM)`` over one slot per rank (zero elsewhere, so the sum is a
+        gather) with its step index, flags and statistics. Returns, per flag [overflow,
+        overbudget, spill], the ranks that raised it; each rank's statistics ([peak, pair,
+        hwm...]); and the pool keys."""
         device = self._device()
         local, keys = self._local_stats(device)
         rank, world = self._world()
-        stats_len = local.numel() - 3
-        vec = torch.zeros(3 + world * stats_len, dtype=torch.int64, device=device)
-        vec[:3] = local[:3]
-        vec[3 + rank * stats_len : 3 + (rank + 1) * stats_len] = local[3:]
+        stats_len = local.numel()
+        vec = torch.zeros(world * stats_len, dtype=torch.int64, device=device)
+        vec[rank * stats_len : (rank + 1) * stats_len] = local
         if world > 1:
             if device.type == "cpu" and dist.get_backend(self.group) == "nccl":
                 raise RuntimeError("the NCCL group needs the manager on a CUDA device")
@@ -274,7 +285,7 @@ class PagedStashRunner:
                     f"{self.timeout}: a rank stopped, died or skipped the step ({e})"
                 ) from e
         values = vec.tolist()  # the step's one device -> host read
-        per_rank = [values[3 + r * stats_len : 3 + (r + 1) * stats_len] for r in range(world)]
+        per_rank = [values[r * stats_len : (r + 1) * stats_len] for r in range(world)]
         self._check_step_indices([r[0] for r in per_rank], rank)
         invalid = [r for r, row in enumerate(per_rank) if row[1]]
         if invalid:
@@ -284,7 +295,8 @@ class PagedStashRunner:
                 "out of range, or a stash record popped twice): the step's result is wrong and "
                 "a rerun would repeat it. Check what the dispatcher hands the experts"
             )
-        return values[:3], [r[1:] for r in per_rank], keys
+        flag_ranks = [[r for r, row in enumerate(per_rank) if row[2 + f]] for f in range(_FLAGS)]
+        return flag_ranks, [r[2 + _FLAGS :] for r in per_rank], keys
 
     def _check_step_indices(self, steps: list[int], rank: int) -> None:
         if len(set(steps)) <= 1:
@@ -355,11 +367,13 @@ class PagedStashRunner:
         self._begin_step()
         state = self.snapshot_state()
         result = step_fn()
-        (overflow, overbudget, spill), per_rank, keys = self._reduce()
+        with nvtx_range("te_paged.reduce"):
+            flag_ranks, per_rank, keys = self._reduce()
+        overflow, overbudget, spill = (len(ranks) for ranks in flag_ranks)
         budget, balanced = self._budget()
-        peak_tokens = max((r[1] for r in per_rank), default=0)
-        peak_pair = max((r[2] for r in per_rank), default=0)
-        hwm = {k: max(r[3 + i] for r in per_rank) for i, k in enumerate(keys)}
+        peak_tokens = max((r[0] for r in per_rank), default=0)
+        peak_pair = max((r[1] for r in per_rank), default=0)
+        hwm = {k: max(r[2 + i] for r in per_rank) for i, k in enumerate(keys)}
         record = StepRecord(
             step=self.step_index,
             attempt=1,
@@ -388,15 +402,19 @@ class PagedStashRunner:
                     )
                     if value is not None
                 ]
-                raise FallbackLimitError(
+                raise FallbackLimitError(  # the exception is the report: nothing logged
                     f"{self.consecutive_fallbacks} consecutive steps needed the dropless "
                     f"fallback (stash overflow on {overflow} rank(s), over budget on "
-                    f"{overbudget}): raise {' and '.join(fits)}"
+                    f"{overbudget}): raise {' and '.join(fits) or 'the static budgets'}"
                 )
-            result = self._fallback(step_fn, state, record)
             self.consecutive_fallbacks += 1
+            # Before the rerun: seen even if the dropless rerun runs out of memory.
+            self._log(logging.WARNING, self._fallback_message(record, flag_ranks, len(per_rank)))
+            result = self._fallback(step_fn, state, record)
         else:
             self.consecutive_fallbacks = 0
+            if spill:
+                self._log(logging.INFO, self._spill_message(record, flag_ranks[2], len(per_rank)))
         if self.record_routing:
             self._gather_routing()
         self.step_index += 1
@@ -404,6 +422,62 @@ class PagedStashRunner:
         if self.on_record is not None:
             self.on_record(record)
         return result, record
+
+    # ------------------------------------------------------------------------------ logging
+
+    def _log(self, level: int, message: str) -> None:
+        """Every rank knows every rank's flags: rank 0 of the group says it at ``level``, the
+        others at DEBUG (one line per event, not one per rank)."""
+        logger.log(level if self._world()[0] == 0 else logging.DEBUG, message)
+
+    def _fallback_message(self, record: StepRecord, flag_ranks: list[list[int]], world: int) -> str:
+        overflow, over, spill = flag_ranks
+        why = []
+        if overflow:
+            why.append(f"stash overflow on rank(s) {overflow}")
+        if over:
+            why.append(
+                f"over the token budget on rank(s) {over} (peak {record.peak_tokens} tokens "
+                f"routed to a rank, budget {record.budget_tokens})"
+            )
+        if spill:
+            why.append(f"host spill on rank(s) {spill}")
+        suggested = {
+            "moe_expert_rank_capacity_factor": record.suggested_capacity_factor,
+            "moe_paged_stash_buffer_size_factor_cuda": record.suggested_buffer_size_factor_cuda,
+        }
+        fits = [f"{name} >= {value}" for name, value in suggested.items() if value is not None]
+        growing = self.grow_pool and record.suggested_buffer_size_factor_cuda is not None
+        return (
+            f"PagedStashRunner: step {record.step} reruns dropless without the paged stash "
+            f"({world} rank(s): {'; '.join(why)}); its result equals a run without the stash. "
+            f"Fallback {self.consecutive_fallbacks} of {self.max_consecutive_fallbacks} allowed "
+            "in a row before FallbackLimitError; would have fitted: "
+            + (", ".join(fits) or "unknown (no dispatcher reports token counts)")
+            + (" (grow_pool raises the pool factor)" if growing else "")
+        )
+
+    def _spill_message(self, record: StepRecord, ranks: list[int], world: int) -> str:
+        fit = self._fitting_pool_factor(record)
+        keep = (
+            f"; moe_paged_stash_buffer_size_factor_cuda >= {fit} would keep them on the device"
+            if fit is not None
+            else ""
+        )
+        return (
+            f"PagedStashRunner: step {record.step}: rank(s) {ranks} of {world} stashed tensors in "
+            "the host tier (the device pool was full; no rerun needed, but each spilled tensor "
+            f"is copied to the host and back){keep}"
+        )
+
+    def _fitting_pool_factor(self, record: StepRecord) -> float | None:
+        # The pool holds factor x (balanced pages of the live tensors); each tensor really
+        # needs (its tokens / balanced) of that. Assuming every layer at the step's peak
+        # bounds the factor that fits, whatever the current one was.
+        if not self.managers or not record.balanced_tokens or not record.peak_tokens:
+            return None
+        ratio = record.peak_tokens / record.balanced_tokens
+        return math.ceil(100 * ratio * _MARGIN) / 100
 
     def _stash_enabled(self) -> bool:
         return bool(self.managers) and all(m.enabled for m in self.managers)
@@ -419,23 +493,29 @@ class PagedStashRunner:
                 d.last_num_tokens, math.ceil(peak_pair_tokens * _MARGIN)
             )
             record.suggested_capacity_factor = fit
-        if self.managers and record.stash_overflow_ranks:
-            # The pool holds factor x (balanced pages of the live tensors); each tensor really
-            # needs (its tokens / balanced) of that. Assuming every layer at the step's peak
-            # bounds the factor that fits, whatever the current one was.
-            ratio = record.peak_tokens / max(record.balanced_tokens, 1)
-            record.suggested_buffer_size_factor_cuda = math.ceil(100 * ratio * _MARGIN) / 100
+        if record.stash_overflow_ranks:
+            record.suggested_buffer_size_factor_cuda = self._fitting_pool_factor(record)
 
     def _fallback(self, step_fn: Callable[[], Any], state: StepState, record: StepRecord) -> Any:
+        with nvtx_range("te_paged.rerun"):
+            return self._rerun(step_fn, state, record)
+
+    def _rerun(self, step_fn: Callable[[], Any], state: StepState, record: StepRecord) -> Any:
         self.restore_state(state)
         self.clear_gradients()
         for manager in self.managers:
             manager.release()  # the pool and the dropless rerun never coexist
-            if self.grow_pool and record.suggested_buffer_size_factor_cuda is not None:
-                factor = max(
-                    record.suggested_buffer_size_factor_cuda, manager.buffer_size_factor_cuda
-                )
-                manager.buffer_size_factor_cuda = factor
+            suggested = record.suggested_buffer_size_factor_cuda
+            if self.grow_pool and suggested is not None:
+                old = manager.buffer_size_factor_cuda
+                if suggested > old:
+                    manager.buffer_size_factor_cuda = suggested
+                    self._log(
+                        logging.INFO,
+                        f"PagedStashRunner: step {record.step}: grow_pool raises the pool "
+                        f"factor (buffer_size_factor_cuda) from {old:g} to {suggested:g}; the "
+                        "pools are reallocated at the next step",
+                    )
         self._route_calls.clear()  # the rerun routes the same tokens again: count them once
         with contextlib.ExitStack() as fallback:
             for manager in self.managers:

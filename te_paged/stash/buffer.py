@@ -15,18 +15,6 @@ from te_paged.kernels.layout import STATE_LEN, State
 
 __all__ = ["PagedStashBuffer", "StashKey", "storage_dtype"]
 
-_FP8_DTYPES = {
-    d
-    for d in (
-        getattr(torch, "float8_e4m3fn", None),
-        getattr(torch, "float8_e5m2", None),
-        getattr(torch, "float8_e4m3fnuz", None),
-        getattr(torch, "float8_e5m2fnuz", None),
-        getattr(torch, "float8_e8m0fnu", None),
-    )
-    if d is not None
-}
-
 _BITS_BY_ITEMSIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 

@@ -18,6 +18,11 @@ Lifecycle (one manager per model, shared by all its MoE layers; never a process-
   ``ceil(factor × peak balanced pages)`` pages (balanced rows of each live tensor rounded up to
   whole pages) (and a host tier with the CPU factor);
   stash and pop then run the kernels, which read counts on the device.
+
+The manager lives on one device (default: the current accelerator, i.e. CUDA's current device
+when CUDA is available, else the CPU); a scope's ``num_tokens`` and every tensor it pages must
+be on it (``ValueError`` otherwise, naming both devices). Pool (re)allocation is logged at INFO
+on the ``te_paged.stash.manager`` logger (see docs/design.md, "Logging").
 """
 
 from __future__ import annotations
@@ -26,12 +31,14 @@ import contextlib
 import dataclasses
 import enum
 import functools
+import logging
 import math
 import warnings
 import weakref
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from te_paged.config.checks import (
@@ -51,6 +58,17 @@ from te_paged.stash.buffer import PagedStashBuffer, StashKey, storage_dtype
 from te_paged.telemetry import TimelineEvent, nvtx_range
 
 __all__ = ["PagedStashManager", "StashMode", "StashStats"]
+
+logger = logging.getLogger(__name__)
+_MIB = 2**20
+
+
+def _current_device() -> torch.device:
+    """Where the model computes by default: CUDA's current device when CUDA is available (this
+    initialises CUDA, so it is called at construction, never at import), else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 class StashMode(enum.Enum):
@@ -96,6 +114,7 @@ class _Scope:
     max_num_tokens: int
     num_tokens: torch.Tensor
     avg_num_tokens: int
+    layer: int | None  # names the NVTX ranges of the tensors paged in this scope
 
 
 class _Captured:
@@ -116,7 +135,8 @@ class _Paged:
     """Handle autograd keeps instead of a paged tensor; reloads it once, on first unpack."""
 
     __slots__ = (
-        "buffer", "dtype", "generation", "max_rows", "meta", "pages_M", "reloaded", "shape",
+        "buffer", "dtype", "generation", "layer", "max_rows", "meta", "pages_M", "reloaded",
+        "shape",
     )  # fmt: skip
 
     def __init__(self, **kw: object) -> None:
@@ -126,7 +146,12 @@ class _Paged:
 
 
 class PagedStashManager:
-    """Owns the page pools of one model, the shared device flags and the statistics."""
+    """Owns the page pools of one model, the shared device flags and the statistics.
+
+    ``device`` (default ``None``: CUDA's current device when CUDA is available, else the CPU)
+    is where the pools and flags live; it must be the device the experts compute on. A bare
+    ``"cuda"`` means CUDA's current device.
+    """
 
     def __init__(
         self,
@@ -134,7 +159,7 @@ class PagedStashManager:
         page_size: int = 64,
         buffer_size_factor_cuda: float = 1.10,
         buffer_size_factor_cpu: float = 0.0,
-        device: torch.device | str = "cpu",
+        device: torch.device | str | None = None,
         kernel_backend: KernelBackend | str = KernelBackend.AUTO,
         zero_padding: bool = True,
         record_timeline: bool = False,
@@ -144,7 +169,10 @@ class PagedStashManager:
             "buffer_size_factor_cuda", buffer_size_factor_cuda, strict=True
         )  # 0 device pages: every stash would spill or overflow
         buffer_size_factor_cpu = require_real("buffer_size_factor_cpu", buffer_size_factor_cpu)
-        device = require_device("device", device)
+        device = _current_device() if device is None else require_device("device", device)
+        if device.type == "cuda" and device.index is None:
+            # Compared with tensors' devices, which always carry an index.
+            device = torch.device("cuda", torch.cuda.current_device())
         kernel_backend = getattr(kernel_backend, "value", kernel_backend)
         if kernel_backend not in backend_choices():
             allowed = ", ".join(repr(n) for n in backend_choices())
@@ -177,14 +205,18 @@ class PagedStashManager:
         # reset() has not run since. The next stash warns (once): see _check_step_boundary.
         self._stepped_since_reset = False
         self._warned_no_reset = False
+        self._allocations = 0  # pool allocations so far: the first sizes from the capture step
         handle = register_optimizer_step_post_hook(
             functools.partial(_note_optimizer_step, weakref.ref(self))
         )
         weakref.finalize(self, handle.remove)
 
     @classmethod
-    def from_config(cls, config: object, device: torch.device | str = "cpu") -> PagedStashManager:
-        """Build from an :class:`~te_paged.config.MoEConfig` (or anything with its fields)."""
+    def from_config(
+        cls, config: object, device: torch.device | str | None = None
+    ) -> PagedStashManager:
+        """Build from an :class:`~te_paged.config.MoEConfig` (or anything with its fields), on
+        ``device`` (default: the current accelerator, as the constructor's)."""
         return cls(
             page_size=config.moe_paged_stash_page_size,
             buffer_size_factor_cuda=config.moe_paged_stash_buffer_size_factor_cuda,
@@ -242,6 +274,8 @@ class PagedStashManager:
         """Free every pool (e.g. before a dropless rerun); the next ``reset()`` reallocates them
         from the captured peaks."""
         self._generation += 1
+        if self.buffers:
+            logger.debug("freed the paged-stash pools (%s)", ", ".join(map(str, self.buffers)))
         self.buffers.clear()
 
     def pool_pages_for(self, key: StashKey) -> tuple[int, int]:
@@ -257,22 +291,60 @@ class PagedStashManager:
         return dev, host
 
     def _allocate(self) -> None:
-        for key in self._peaks:
-            if key not in self.buffers:
-                dev, host = self.pool_pages_for(key)
-                self.buffers[key] = PagedStashBuffer(key, dev, self.page_size, self.device, host)
+        new = []
+        with nvtx_range("te_paged.allocate"):
+            for key in self._peaks:
+                if key not in self.buffers:
+                    dev, host = self.pool_pages_for(key)
+                    buffer = PagedStashBuffer(key, dev, self.page_size, self.device, host)
+                    self.buffers[key] = buffer
+                    new.append(buffer)
+        self._allocations += 1
+        if logger.isEnabledFor(logging.INFO):
+            self._log_allocation(new)
+
+    def _log_allocation(self, new: list[PagedStashBuffer]) -> None:
+        why = (
+            "sized from the capture step"
+            if self._allocations == 1
+            else "reallocated after release() (a runner's fallback frees them)"
+        )
+        pools = []
+        for b in new:
+            host = f", host tier {b.host_num_pages} pages" if b.host_num_pages else ""
+            pools.append(
+                f"{b.key}: {b.num_pages} pages of {self.page_size} rows, "
+                f"{b.pool_bytes / _MIB:.2f} MiB (capture peak "
+                f"{self._peaks[b.key].peak_balanced_pages} balanced pages x "
+                f"buffer_size_factor_cuda {self.buffer_size_factor_cuda:g}{host})"
+            )
+        total = sum(b.pool_bytes + b.host_pool_bytes for b in new) / _MIB
+        where = str(self.device)
+        if dist.is_available() and dist.is_initialized():
+            where = f"rank {dist.get_rank()}, {where}"
+        logger.info(
+            "PagedStashManager (%s): pools %s: %s; %.2f MiB in all",
+            where, why, "; ".join(pools), total,
+        )  # fmt: skip
 
     # ---------------------------------------------------------------------------------- scope
 
     @contextlib.contextmanager
     def scope(
-        self, max_num_tokens: int, num_tokens: torch.Tensor, avg_num_tokens: int
+        self,
+        max_num_tokens: int,
+        num_tokens: torch.Tensor,
+        avg_num_tokens: int,
+        *,
+        layer: int | None = None,
     ) -> Iterator[None]:
         """Page the marked tensors autograd saves inside this block.
 
         ``max_num_tokens`` is the static row count of the expert buffers, ``num_tokens`` a
-        device tensor holding the actual count (a prefix), ``avg_num_tokens`` the balanced-case
-        estimate used to size the pools.
+        tensor on the manager's device holding the actual count (a prefix), ``avg_num_tokens``
+        the balanced-case estimate used to size the pools. ``layer`` (the expert module's
+        ``layer_number``) names the NVTX ranges of the stashes and pops
+        (``te_paged.stash.layer<N>``).
 
         Saved tensors that an outer ``saved_tensors_hooks`` already owns are left to it: inside
         torch's non-reentrant checkpoint (its first forward and its recomputation) or
@@ -295,14 +367,27 @@ class PagedStashManager:
             raise TypeError("num_tokens must be a one-element integer tensor on the device")
         if num_tokens.dtype.is_floating_point or num_tokens.dtype == torch.bool:
             raise TypeError(f"num_tokens must be an integer tensor, got {num_tokens.dtype}")
+        self._check_device("num_tokens", num_tokens)
         require_int("max_num_tokens", max_num_tokens, minimum=1)
         require_int("avg_num_tokens", avg_num_tokens, minimum=0)
-        self._scope = _Scope(max_num_tokens, num_tokens.reshape(1), avg_num_tokens)
+        if layer is not None:
+            require_int("layer", layer, minimum=0)
+        self._scope = _Scope(max_num_tokens, num_tokens.reshape(1), avg_num_tokens, layer)
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
         finally:
             self._scope = None
+
+    def _check_device(self, name: str, t: torch.Tensor) -> None:
+        if t.device == self.device:
+            return
+        raise ValueError(
+            f"{name} is on {t.device} but this PagedStashManager is on {self.device}: build the "
+            f"manager on the device the experts compute on, e.g. PagedStashManager(..., "
+            f"device='{t.device}') or PagedStashManager.from_config(config, '{t.device}') (the "
+            "default is CUDA's current device when CUDA is available, else the CPU)"
+        )
 
     def _check_step_boundary(self) -> None:
         if not self._stepped_since_reset or self._warned_no_reset:
@@ -356,11 +441,7 @@ class PagedStashManager:
             return t
         if is_checkpoint_without_output_tensor(t):
             return t  # recompute owns this storage (and every view of it)
-        if t.device != scope.num_tokens.device:
-            raise RuntimeError(
-                f"saved tensor on {t.device} but the scope's num_tokens is on "
-                f"{scope.num_tokens.device}"
-            )
+        self._check_device("a marked saved tensor", t)
         key, max_rows = self._layout(t, kind, scope)
         rows_RH = t.contiguous().view(max_rows, key.hidden).view(storage_dtype(t.dtype))
         self._check_step_boundary()
@@ -383,7 +464,7 @@ class PagedStashManager:
         pages_M = torch.empty(-(-max_rows // self.page_size), dtype=torch.int32, device=t.device)
         meta = torch.empty(META_LEN, dtype=torch.int64, device=t.device)
         args = (*buffer.kernel_args(), self.flags, pages_M, meta)
-        with nvtx_range("te_paged.stash"):
+        with nvtx_range("te_paged.stash", scope.layer):
             stash_copy(self.backend, rows_RH, scope.num_tokens, kind.tokens_per_row,
                        self.page_size, *args)  # fmt: skip
         self._trace("stash", buffer, meta)
@@ -395,6 +476,7 @@ class PagedStashManager:
             shape=t.shape,
             dtype=t.dtype,
             generation=self._generation,
+            layer=scope.layer,
         )
         return handle
 
@@ -451,7 +533,7 @@ class PagedStashManager:
                     device=buffer.device,
                 )
                 args = (*buffer.kernel_args(), self.flags, handle.pages_M, handle.meta)
-                with nvtx_range("te_paged.pop"):
+                with nvtx_range("te_paged.pop", handle.layer):
                     stash_pop(self.backend, out_RH, self.page_size, *args, self.zero_padding)
                 self._trace("pop", buffer, handle.meta)
                 handle.reloaded = out_RH.view(handle.dtype).view(handle.shape)

@@ -154,7 +154,10 @@ def _progress(rank: int, world: int, device: str, steps: int, watchdog: RankWatc
     from te_paged.tools.progress import Progress
 
     ranks = f"{world} rank{'s' if world > 1 else ''}"
-    shown = Progress(2 * steps, f"te-paged ab ({ranks}, {device})") if rank == 0 else None
+    # Rank 0 also shows the library's warnings (the runner says them on rank 0 only).
+    shown = None
+    if rank == 0:
+        shown = Progress(2 * steps, f"te-paged ab ({ranks}, {device})", logs="te-paged ab")
 
     def progress(message: str) -> None:
         watchdog.progress(message)

@@ -86,7 +86,14 @@ class ToyMoEModel(nn.Module):
             if record_timeline:
                 self.manager.timeline = []
         self.layers = nn.ModuleList(
-            MoELayer(moe, group, self.manager, device=device, seed=cfg.seed * 1000 + i)
+            MoELayer(
+                moe,
+                group,
+                self.manager,
+                device=device,
+                seed=cfg.seed * 1000 + i,
+                layer_number=i + 1,  # Megatron's 1-based numbering, for the NVTX range names
+            )
             for i in range(cfg.layers)
         )
 

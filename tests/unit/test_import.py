@@ -22,7 +22,7 @@ def test_import_without_triton_or_te_touches_no_cuda() -> None:
         for n in te_paged.__all__:
             getattr(te_paged, n)
         # the CPU reference path works without Triton
-        m = te_paged.PagedStashManager(page_size=4)
+        m = te_paged.PagedStashManager(page_size=4, device="cpu")
         assert m.backend.name == te_paged.KernelBackend.TORCH
         print("ok")
         """

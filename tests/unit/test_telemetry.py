@@ -6,6 +6,7 @@ import contextlib
 import sys
 import types
 
+import pytest
 import torch
 
 from te_paged import PagedStashManager, mark_grouped_tensor, telemetry
@@ -68,7 +69,14 @@ def test_timeline_tracks_pages_rows_and_fragmentation() -> None:
     assert abs(manager.timeline[1].fragmentation - (1 - 7 / 12)) < 1e-12
 
 
-def test_moe_layer_marks_dispatch_experts_combine_stash_and_pop(monkeypatch) -> None:
+def test_range_names_carry_the_layer_number() -> None:
+    assert telemetry.range_name("te_paged.stash") == "te_paged.stash"
+    assert telemetry.range_name("te_paged.stash", 3) == "te_paged.stash.layer3"
+    assert telemetry.range_name("te_paged.pop", 0) == "te_paged.pop.layer0"
+
+
+@pytest.mark.parametrize("layer_number", [None, 3])
+def test_moe_layer_marks_dispatch_experts_combine_stash_and_pop(monkeypatch, layer_number) -> None:
     from te_paged.config import MoEConfig
     from te_paged.moe import MoELayer
 
@@ -91,7 +99,7 @@ def test_moe_layer_marks_dispatch_experts_combine_stash_and_pop(monkeypatch) -> 
             moe_paged_stash=True,
         )
         manager = PagedStashManager.from_config(cfg)
-        layer = MoELayer(cfg, None, manager, seed=0)
+        layer = MoELayer(cfg, None, manager, seed=0, layer_number=layer_number)
         for _ in range(2):  # capture step, then a paged step
             manager.reset()
             y, _ = layer(torch.randn(16, 32, requires_grad=True))
@@ -99,5 +107,8 @@ def test_moe_layer_marks_dispatch_experts_combine_stash_and_pop(monkeypatch) -> 
     finally:
         telemetry._nvtx.cache_clear()
     names = set(seen)
-    assert {"te_paged.dispatch", "te_paged.experts", "te_paged.combine"} <= names
-    assert {"te_paged.stash", "te_paged.pop"} <= names
+    suffix = "" if layer_number is None else f".layer{layer_number}"
+    per_layer = {"dispatch", "experts", "combine", "stash", "pop"}
+    # every per-layer range is named with the layer (and only with it), the rest without
+    assert names == {f"te_paged.{n}{suffix}" for n in per_layer} | {"te_paged.allocate"}
+    assert seen.count("te_paged.allocate") == 1  # once, at the reset after the capture step

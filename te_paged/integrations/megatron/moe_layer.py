@@ -81,6 +81,19 @@ class PagedStashMoELayer(MoELayer, PagedStashParticipant):
             align=get_align_size_for_quantization(config),
             device=compute_device(),
         )
+        if layer_number is not None:
+            self._number_experts(layer_number)
+
+    def set_layer_number(self, layer_number: int) -> None:
+        """Megatron's hook (``TransformerLayer`` calls it): also numbers te_paged's experts,
+        whose stash and pop NVTX ranges then carry it (``te_paged.stash.layer<N>``)."""
+        super().set_layer_number(layer_number)
+        self._number_experts(layer_number)
+
+    def _number_experts(self, layer_number: int) -> None:
+        set_number = getattr(self.experts, "set_layer_number", None)  # te_paged's experts
+        if set_number is not None:
+            set_number(layer_number)
 
     def budget_dispatchers(self) -> tuple[StaticBudgetDispatcher, ...]:
         """The runner protocol: this layer's dispatcher (its experts report their manager)."""
@@ -100,4 +113,8 @@ class PagedStashMoELayer(MoELayer, PagedStashParticipant):
                 # Dynamic-shaped rows have no static budget to page against.
                 for manager in self._managers():
                     stack.enter_context(manager.disabled())
+            elif hasattr(self.experts, "balanced_tokens"):  # te_paged's experts: exact N·K
+                budget = self.token_dispatcher.budget
+                topk = self.token_dispatcher.config.moe_router_topk
+                stack.enter_context(self.experts.balanced_tokens(budget.last_num_tokens * topk))
             return super().routed_experts_compute(hidden_states, probs)

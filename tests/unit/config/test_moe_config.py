@@ -50,9 +50,9 @@ def test_defaults() -> None:
         "moe_paged_stash_buffer_size_factor_cuda": 1.10,
         "moe_paged_stash_buffer_size_factor_cpu": 0.0,
         "recompute_granularity": None,
-        "recompute_modules": [],
+        "recompute_modules": (),
         "cpu_offloading": False,
-        "offload_modules": [],
+        "offload_modules": (),
         "fp8": None,
         "activation_func_fp8_input_store": False,
         "params_dtype": torch.float32,
@@ -108,7 +108,7 @@ def test_defaults() -> None:
 def test_valid_paged_stash_configs(kwargs: dict[str, Any]) -> None:
     cfg = MoEConfig(**{**PAGED, **kwargs})
     for name, value in kwargs.items():
-        assert getattr(cfg, name) == value
+        assert getattr(cfg, name) == (tuple(value) if isinstance(value, list) else value)
 
 
 @pytest.mark.parametrize(
@@ -388,19 +388,22 @@ def test_replace_revalidates() -> None:
         dataclasses.replace(cfg, moe_use_grouped_tensor=False)
 
 
-def test_validate_after_mutation() -> None:
+def test_frozen_and_replace_validates() -> None:
     cfg = MoEConfig(**PAGED)
-    cfg.cpu_offloading = True
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.cpu_offloading = True
     with pytest.raises(ValueError, match="cpu_offloading=True"):
-        cfg.validate()
+        dataclasses.replace(cfg, cpu_offloading=True)
+    with pytest.raises(TypeError):
+        MoEConfig(64)  # keyword-only, as Megatron's fields are passed
+    assert not hasattr(cfg, "__dict__")  # slots
 
 
 def test_lists_are_copied() -> None:
     modules = ["moe_act"]
     cfg = MoEConfig(recompute_granularity="selective", recompute_modules=modules)
     modules.append("unknown")
-    assert cfg.recompute_modules == ["moe_act"]
-    assert dataclasses.replace(cfg).recompute_modules is not cfg.recompute_modules
+    assert cfg.recompute_modules == ("moe_act",)
 
 
 def test_enum_members_are_normalised_to_strings() -> None:

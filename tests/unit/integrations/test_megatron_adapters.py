@@ -223,7 +223,7 @@ def test_grouped_linear_adapter_rejects_what_it_cannot_serve() -> None:
 
 def test_megatron_moe_config_reads_megatron_semantics_and_overrides() -> None:
     cfg = tpm.megatron_moe_config(megatron_config())
-    assert cfg.recompute_modules == []  # Megatron's ["core_attn"] is inert without selective
+    assert cfg.recompute_modules == ()  # Megatron's ["core_attn"] is inert without selective
     assert cfg.activation == "swiglu" and cfg.moe_ffn_hidden_size == FFN
     rc = tpm.megatron_moe_config(
         megatron_config(recompute_granularity="selective", recompute_modules=["moe_act"]),

@@ -221,7 +221,7 @@ def test_validation_errors() -> None:
         disp.dispatch(x, probs, indices.float())
     with pytest.raises(ValueError, match=r"tokens >= 1, 32"):
         disp.dispatch(x[:0], probs[:0], indices[:0])
-    with pytest.raises(ValueError, match="moe_expert_rank_capacity_factor"):
+    with pytest.raises(ValueError, match=r"capacity_factor must be finite and > 0, got -1\.0"):
         StaticBudgetDispatcher(config(), capacity_factor=-1.0)
     _, handle = disp.dispatch(x, probs, indices)[2:]
     with pytest.raises(ValueError, match=r"expert output must be \[80, 32\]"):
@@ -247,3 +247,24 @@ def test_static_forward_backward_sync_free(monkeypatch) -> None:
     layer.set_dropless(True)
     with pytest.raises(AssertionError, match="host read"), NoHostReads():
         layer(x)
+
+
+def test_the_stash_is_sized_from_the_exact_balanced_count(monkeypatch) -> None:
+    # 100 tokens, top-2, factor 1.1, MXFP8: budget 220 → 224 rows, whose estimate
+    # floor(224 / 1.1) = 203 is not the 200 balanced rows the dispatcher knows (N·K).
+    cfg = config(moe_paged_stash=True, moe_expert_rank_capacity_factor=1.1, fp8="mxfp8")
+    manager = PagedStashManager.from_config(cfg)
+    layer = MoELayer(cfg, manager=manager, seed=0)
+    seen = []
+    scope = manager.scope
+
+    def spy(max_num_tokens, num_tokens, avg_num_tokens, **kw):
+        seen.append((max_num_tokens, avg_num_tokens))
+        return scope(max_num_tokens, num_tokens, avg_num_tokens, **kw)
+
+    monkeypatch.setattr(manager, "scope", spy)
+    manager.reset()
+    layer(torch.randn(100, H))[0].sum().backward()
+    assert cfg.avg_num_tokens(224) == 203
+    assert seen == [(224, 200)]
+    assert layer.experts._balanced_num_tokens is None  # only within the layer's call

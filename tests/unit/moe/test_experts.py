@@ -250,7 +250,7 @@ def test_module_level_rejections() -> None:
 def test_megatron_default_recompute_modules_are_ignored_without_selective_recompute() -> None:
     # Megatron defaults recompute_modules to ["core_attn"] even with no recompute at all.
     cfg = as_moe_config(megatron_like_config(recompute_modules=["core_attn"]))
-    assert cfg.recompute_modules == []
+    assert cfg.recompute_modules == ()
     cfg = as_moe_config(
         megatron_like_config(recompute_granularity="selective", recompute_modules=["moe_act"])
     )
