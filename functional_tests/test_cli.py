@@ -175,6 +175,42 @@ def test_plan_named_model_reproduces_the_maxtext_table() -> None:
     assert "3.50 GiB per layer, 210.00 GiB over all layers static; 52.50 GiB" in proc.stdout
 
 
+def test_plan_prints_the_in_flight_peak_and_pool_of_each_pipeline_stage() -> None:
+    model = ("plan", "--model", "deepseek-v3", "--ep", "64", "--capacity-factor", "1.5")
+    one = te_paged(*model)
+    also_one = te_paged(*model, "--pipeline-parallel", "1", "--microbatches", "8")
+    assert one.returncode == also_one.returncode == 0, one.stderr + also_one.stderr
+    assert also_one.stdout == one.stdout and "pipeline" not in one.stdout  # PP 1: unchanged
+    proc = te_paged(*model, "--pipeline-parallel", "2", "--microbatches", "8")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(one.stdout)
+    lines = proc.stdout[len(one.stdout) :].splitlines()
+    first = "pipeline: 2 stages, 8 microbatches, 1F1B, 29 MoE layers per stage (Megatron-core "
+    assert lines[0].startswith(first + "forward_backward_pipelining_without_interleaving)")
+    head, *rows = (line.split() for line in lines[1:4])
+    assert head[:4] == ["stage", "in", "flight", "layers"] and "bfloat16x7168" in head
+    # stage 0 holds min(2 - 0, 8) = 2 microbatches of 29 layers, stage 1 one; 32,768 balanced
+    # rows are 512 pages a tensor: ceil(1.1 x 58 x 512) = 32,666 pages per key
+    assert rows[0][:6] == ["0", "2", "58", "32,666", "32,666", "32,666"]
+    assert rows[1][:3] == ["1", "1", "29"] and rows[1][3] == "16,333"
+    assert lines[4].startswith("  in flight: microbatches forwarded and not yet backwarded")
+    # interleaved, by Megatron's names: P 4, V 2, M 8, 56 layers in chunks of 7; stage 0 warms
+    # up with 2 x 3 + 1 x 4 = 10 passes and peaks at 11 microbatch-chunks, 77 layers
+    megatron_names = ["--pipeline-model-parallel-size", "4", "--num-microbatches", "8",
+                      "--num-virtual-stages-per-pipeline-rank", "2"]  # fmt: skip
+    proc = te_paged(*model, "--layers", "56", *megatron_names)
+    assert proc.returncode == 0, proc.stderr
+    assert "interleaved, 2 model chunk(s) of 7 MoE layers per stage, microbatch group 4" in (
+        proc.stdout
+    )
+    table = proc.stdout.split("one paged-stash manager per stage:\n")[1].splitlines()
+    assert table[0].split()[:6] == ["stage", "in", "flight", "chunk", "peaks", "layers"]
+    assert [r.split()[:5] for r in table[1:5]] == [
+        ["0", "11", "8", "4", "77"], ["1", "9", "8", "4", "63"],
+        ["2", "7", "7", "3", "49"], ["3", "5", "5", "1", "35"],
+    ]  # fmt: skip
+
+
 def test_plan_says_a_totals_only_profile_gives_a_lower_bound(tmp_path) -> None:
     # Rank 0 keeps its 8 rows, rank 1 likewise: 1.0 per rank, 2.0 per (source, dest) pair.
     kw = {"num_experts": 2, "ep_size": 2, "top_k": 2, "tokens_per_rank": 4}
@@ -214,8 +250,10 @@ def test_bench_writes_reports_with_the_command(tmp_path) -> None:
     reports = sorted(p.name for p in tmp_path.iterdir())
     assert [r.split("-")[0] for r in reports] == ["stash", "step_time"]
     text = (tmp_path / reports[0]).read_text()
-    assert "Command: `te-paged bench" in text and "| 64 | 128 |" in text
-    assert "median of 2 (torch.utils.benchmark.Timer)" in text
+    assert "Command: `te-paged bench" in text and "median and min of 2 interleaved runs" in text
+    for free_list in ("fresh", "1F1B", "alternating"):
+        assert f"| 64 | 128 | 0 | {free_list} |" in text
+    assert "## Backend triton: not timed" in text  # the interpreter is no kernel to time
     step = (tmp_path / reports[1]).read_text()
     assert "ON / OFF" in step and "median of 2 (torch.utils.benchmark.Timer)" in step
     assert "te-paged bench: stash 1/1 [" in proc.stderr  # a line per case when piped
@@ -250,6 +288,13 @@ BAD_ARGUMENTS = [
     (["plan", "--model", "deepseek-v3", "--dtype-bytes", "0"], "invalid choice: 0"),
     (["plan", "--profile", "/nonexistent/p.json"], "--profile /nonexistent/p.json: no such file"),
     (["plan", "--profile", "x.json", "--target-rerun-rate", "1"], "--target-rerun-rate: must"),
+    (["plan", "--model", "deepseek-v3", "--microbatches", "0"], "--num-microbatches: must be >="),
+    (["plan", "--model", "deepseek-v3", "--pipeline-parallel", "4"], "not divisible by "
+     "--pipeline-parallel 4 x 1 model chunks"),
+    (["plan", "--model", "deepseek-v3", "--pipeline-parallel", "2", "--virtual-stages", "2",
+      "--microbatches", "3", "--layers", "4"], "needs a multiple of the microbatch group size"),
+    (["plan", "--profile", "p.json", "--pipeline-parallel", "2"], "--pipeline-parallel: only "
+     "with --model"),
     (["bench", "--repeats", "0"], "argument --repeats: must be >= 1"),
     (["bench", "--hidden-sizes", "0"], "argument --hidden-sizes: must be >= 1"),
     (["bench", "--device", "cuda"], "--device cuda but CUDA is not available"),
@@ -357,9 +402,53 @@ def test_ab_engine_megatron_forced_reruns_stay_bitwise(tmp_path) -> None:
     assert data["memory"] is None and "every step after the capture step" in proc.stdout
 
 
+def test_ab_engine_megatron_pipeline_prints_each_stage(tmp_path) -> None:
+    # PP 2 x EP 2 on 4 ranks, Megatron's 1F1B schedule, 4 microbatches: ON vs OFF bitwise, and
+    # the memory table and record per stage (stage 0 holds 2 microbatches in flight, stage 1
+    # one: twice the pool).
+    js = tmp_path / "ab.json"
+    small = ["--layers", "4", "--hidden", "64", "--ffn", "128", "--seq-length", "32"]
+    proc = te_paged(
+        "ab", "--engine", "megatron", "--pipeline-parallel", "2", "--microbatches", "4", *small,
+        "--buffer-factor-cuda", "1.6", "--json", str(js),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "per pipeline stage" in proc.stdout and "| stage | peak ON" in proc.stdout
+    data = check_record(js)  # strict JSON, valid against the schema
+    assert data["equal"] and data["config"]["pipeline_parallel"] == 2
+    assert sorted(r["stage"] for r in data["ranks"]) == [0, 0, 1, 1]
+    first, last = data["memory_per_stage"]
+    assert first["pool_bytes"] > last["pool_bytes"] > 0
+    assert first["S_bytes"] == 2 * last["S_bytes"]
+    losses = {r["stage"]: [s["loss"] for s in r["on"]] for r in data["ranks"]}
+    assert all(x is None for x in losses[0]) and all(x is not None for x in losses[1])
+    record = data["ranks"][0]["on"][-1]["record"]
+    assert set(record["stage_pool_high_water_pages"]) == {"0", "1"}
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
+        (["--engine", "megatron", "--pipeline-parallel", "3"], "--pipeline-parallel 3 does not"),
+        (["--engine", "megatron", "--virtual-stages", "2"], "--virtual-stages needs"),
+        (
+            ["--engine", "megatron", "--pipeline-parallel", "2", "--layers", "3"],
+            "--layers 3 does not split evenly over 2 stage(s)",
+        ),
+        (
+            [
+                "--engine",
+                "megatron",
+                "--pipeline-parallel",
+                "2",
+                "--virtual-stages",
+                "2",
+                "--microbatches",
+                "3",
+            ],
+            "interleaved schedule needs a multiple of",
+        ),
+        (["--pipeline-parallel", "2"], "--pipeline-parallel: only with --engine megatron"),
         (["--engine", "megatron", "--fp8", "mxfp8"], "--fp8 is not available with --engine"),
         (["--engine", "megatron", "--record-profile", "p.json"], "--record-profile is not"),
         (["--dropout", "0.1"], "--dropout: only with --engine megatron"),

@@ -1,18 +1,21 @@
 """``te-paged``: the A/B of paged stash ON vs OFF, the buffer planner, and the benchmarks.
 
     te-paged ab     [--nproc 4] [model and run flags] [--json P] [--plot P] [--record-profile P]
-    te-paged ab     --engine megatron [--ep 2] [--dropout 0.1] [--overlap-grad-reduce] ...
+    te-paged ab     --engine megatron [--ep 2] [--dropout 0.1] [--overlap-grad-reduce]
+                    [--pipeline-parallel 2 [--virtual-stages 2]] [--microbatches 4] ...
     te-paged plan   --profile PATH [--target-rerun-rate R] [--host-spill]
     te-paged plan   --model deepseek-v3 --seq-length 4096 --micro-batch-size 2 --ep 4 \
-                    [--ring-of-experts | --capacity-factor F]
+                    [--ring-of-experts | --capacity-factor F] \
+                    [--pipeline-parallel P [--virtual-stages V] [--microbatches M]]
     te-paged bench  [--only stash|step] [--out-dir benchmarks/results]
     te-paged --version
 
 One flag per knob across the three commands (``--capacity-factor``, ``--buffer-factor-cuda``,
 ``--buffer-factor-cpu``, ``--page-size``, ``--seq-length``, ``--micro-batch-size``, ``--ep``,
-``--layers``, ``--hidden``, ``--ffn``, ``--kernel-backend``, ``--device``), each parsed into the
-attribute of its own name; the stash knobs also answer to Megatron-LM's flag
-(:data:`MEGATRON_ALIASES`), so a Megatron command line's values can be pasted as they are.
+``--layers``, ``--hidden``, ``--ffn``, ``--microbatches``, ``--pipeline-parallel``, ...,
+``--kernel-backend``, ``--device``), each parsed into the attribute of its own name; the stash
+and pipeline knobs also answer to Megatron's names (:data:`MEGATRON_ALIASES`), so a Megatron
+command line's values can be pasted as they are.
 
 ``ab`` starts its own ranks (gloo on CPU; on CUDA NCCL, one GPU per rank; ``--device auto``, the
 default, takes CUDA when there is a GPU for every rank); under ``torchrun`` it uses the
@@ -33,18 +36,27 @@ from te_paged.tools.argtypes import OneLineParser, integer, real
 
 __all__ = ["MEGATRON_ALIASES", "main"]
 
-#: Megatron-LM's command-line name of each stash knob, accepted as an alias of te_paged's.
-MEGATRON_ALIASES = {
-    "--capacity-factor": "--moe-expert-rank-capacity-factor",
-    "--buffer-factor-cuda": "--moe-paged-stash-buffer-size-factor-cuda",
-    "--buffer-factor-cpu": "--moe-paged-stash-buffer-size-factor-cpu",
-    "--page-size": "--moe-paged-stash-page-size",
+#: Megatron's names of each knob, accepted as aliases of te_paged's: Megatron-LM's command-line
+#: flag, and for the pipeline layout also Megatron-core's name (``ModelParallelConfig``'s
+#: ``virtual_pipeline_model_parallel_size``, ``forward_backward_func``'s ``num_microbatches``).
+MEGATRON_ALIASES: dict[str, tuple[str, ...]] = {
+    "--capacity-factor": ("--moe-expert-rank-capacity-factor",),
+    "--buffer-factor-cuda": ("--moe-paged-stash-buffer-size-factor-cuda",),
+    "--buffer-factor-cpu": ("--moe-paged-stash-buffer-size-factor-cpu",),
+    "--page-size": ("--moe-paged-stash-page-size",),
+    "--pipeline-parallel": ("--pipeline-model-parallel-size",),
+    "--virtual-stages": (
+        "--virtual-pipeline-model-parallel-size",
+        "--num-virtual-stages-per-pipeline-rank",
+    ),
+    "--microbatches": ("--num-microbatches",),
+    "--microbatch-group-size": ("--microbatch-group-size-per-virtual-pipeline-stage",),
 }
 
 
 def _knob(g, flag: str, **kw) -> argparse.Action:
-    """Add ``flag`` (and its Megatron-LM alias) parsed into the attribute of its own name."""
-    return g.add_argument(flag, MEGATRON_ALIASES[flag], dest=flag[2:].replace("-", "_"), **kw)
+    """Add ``flag`` (and its Megatron aliases) parsed into the attribute of its own name."""
+    return g.add_argument(flag, *MEGATRON_ALIASES[flag], dest=flag[2:].replace("-", "_"), **kw)
 
 
 def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
@@ -176,10 +188,26 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
         type=integer(1),
         help=f"sequences per microbatch ({m.micro_batch_size}; megatron only)",
     )
-    e.add_argument(
+    _knob(
+        e,
         "--microbatches",
         type=integer(1),
         help=f"microbatches per step, gradient accumulation ({m.microbatches}; megatron only)",
+    )
+    _knob(
+        e,
+        "--pipeline-parallel",
+        type=integer(1),
+        help=f"pipeline-parallel stages, Megatron's 1F1B schedule ({m.pipeline_parallel}; "
+        "megatron only; the expert-parallel size defaults to the ranks of one stage); the "
+        "memory table is per stage",
+    )
+    _knob(
+        e,
+        "--virtual-stages",
+        type=integer(1),
+        help="virtual pipeline stages per rank: Megatron's interleaved schedule (megatron "
+        "only; needs --pipeline-parallel > 1)",
     )
     e.add_argument(
         "--overlap-grad-reduce",
@@ -188,7 +216,7 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
     )
 
 
-def _kernel_backend(p) -> None:
+def _kernel_backend(p, extra: str = "") -> None:
     from te_paged.kernels import backend_choices
     from te_paged.tools.model import ModelConfig
 
@@ -196,7 +224,7 @@ def _kernel_backend(p) -> None:
         "--kernel-backend",
         choices=backend_choices(),
         help=f"stash kernels, a registered backend ({ModelConfig().kernel_backend}: Triton on "
-        "CUDA, the torch reference on CPU)",
+        f"CUDA, the torch reference on CPU){extra}",
     )
 
 
@@ -327,6 +355,52 @@ def _plan_parser(sub, common: argparse.ArgumentParser) -> None:
         help="MaxText's layout: each rank's buffer holds all EP ranks' tokens, an effective "
         "capacity factor of EP",
     )
+    _knob(
+        named,
+        "--page-size",
+        type=integer(1),
+        metavar="ROWS",
+        help=f"moe_paged_stash_page_size: rows per page, for the pool per stage "
+        f"({md['page_size']})",
+    )
+    _pipeline_args(plan)
+
+
+def _pipeline_args(p: argparse.ArgumentParser) -> None:
+    """The pipeline layout, as Megatron-core's schedules take it (plan --model)."""
+    g = p.add_argument_group(
+        "pipeline parallelism, with --model: the in-flight peak and the pool of each stage"
+    )
+    _knob(
+        g,
+        "--pipeline-parallel",
+        type=integer(1),
+        metavar="P",
+        help="pipeline stages (1: no pipelining); above 1, plan adds a table per stage",
+    )
+    _knob(
+        g,
+        "--virtual-stages",
+        type=integer(1),
+        metavar="V",
+        help="model chunks per stage: Megatron-core's interleaved schedule, which every value "
+        "selects, 1 included (default: none, 1F1B)",
+    )
+    _knob(
+        g,
+        "--microbatches",
+        type=integer(1),
+        metavar="M",
+        help="microbatches per step (default: the pipeline size, the fewest that fill it)",
+    )
+    _knob(
+        g,
+        "--microbatch-group-size",
+        type=integer(1),
+        metavar="G",
+        help="microbatches run back to back through one model chunk, interleaved schedule "
+        "only (default: the pipeline size, Megatron's)",
+    )
 
 
 def _bench_parser(sub, common: argparse.ArgumentParser) -> None:
@@ -351,7 +425,11 @@ def _bench_parser(sub, common: argparse.ArgumentParser) -> None:
     )
     bench.add_argument("--force", action="store_true", help="overwrite today's reports")
     _device(bench, "cuda when available, else cpu")
-    _kernel_backend(bench)
+    _kernel_backend(
+        bench,
+        "; the stash benchmark times every backend that runs on the device unless this names "
+        "one (Triton only on CUDA)",
+    )
     bench.add_argument(
         "--repeats",
         type=integer(1),

@@ -59,9 +59,7 @@ class PeakMemoryMeter:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
         else:
-            from torch.distributed._tools.mem_tracker import MemTracker
-
-            self._tracker = MemTracker()
+            self._tracker = _step_mem_tracker()
             self._tracker.__enter__()
         return self
 
@@ -85,6 +83,26 @@ class PeakMemoryMeter:
         dynamic = sum(v for k, v in categories.items() if k not in _STATIC_CATEGORIES)
         method = "torch MemTracker (dispatch-based) peak of activations + temporaries"
         self.report = MemoryReport(dynamic, method, categories)
+
+
+def _step_mem_tracker():
+    """torch's ``MemTracker`` for a whole training step: a step may call the same root module
+    once per microbatch (gradient accumulation, a pipeline schedule), which ``MemTracker``
+    refuses as "multiple iterative calls". Here a root module's next forward starts its
+    module statistics afresh (what ``reset_mod_stats`` does, for that module only); the
+    device-wide peak this meter reports is not per module and carries over."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class StepMemTracker(MemTracker):
+        def _pre_fw_hook(self, module, inputs):
+            tracker = self._mod_tracker
+            if module in self.memory_tracking and not tracker.is_bw:
+                name = tracker.get_known_fqn(module)
+                if set(tracker.parents) - {name} == {"Global"}:  # a root module, called again
+                    del self.memory_tracking[module]
+            return super()._pre_fw_hook(module, inputs)
+
+    return StepMemTracker()
 
 
 def measure_peak(fn: Callable[[], Any], device: torch.device | str) -> tuple[Any, MemoryReport]:

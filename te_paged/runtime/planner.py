@@ -25,6 +25,11 @@ A factor that covers the ``1 − target_rerun_rate`` quantile of the per-step ne
 most that fraction of steps. Memory per choice: the static buffers cost
 ``capacity_factor × S`` and the pool ``buffer_factor × S``, with ``S`` the balanced-case bytes
 of the stashed activations (``N·k × bytes_per_token × L``).
+
+Under pipeline parallelism (:func:`pipeline_pool_plan`) a stage holds the saved activations of
+several microbatches at its peak (:mod:`te_paged.runtime.schedules`): its pool is sized as the
+manager sizes it after the capture step, from the peak of live tensors, ``in flight × layers per
+chunk`` layers' worth, each tensor's balanced rows rounded up to whole pages.
 """
 
 from __future__ import annotations
@@ -36,13 +41,19 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from te_paged.runtime.schedules import InFlight, PipelineConfig, in_flight
+
 __all__ = [
     "NAMED_CONFIGS",
     "FactorChoice",
     "NamedConfig",
     "RoutingProfile",
+    "SavedTensor",
+    "StagePool",
+    "expert_mlp_saved_tensors",
     "min_profile_steps",
     "named_sizes",
+    "pipeline_pool_plan",
     "recommend",
     "stashed_bytes_per_token",
 ]
@@ -319,3 +330,142 @@ def named_sizes(
             worst / balanced, buffer_factor, s_bytes, layers
         ),
     }
+
+
+#: The dtype a stashed element of ``itemsize`` bytes stands for, as pool keys name it.
+_DTYPE_NAMES = {1: "float8_e4m3fn", 2: "bfloat16", 4: "float32"}
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedTensor:
+    """One tensor a layer stashes per microbatch: the pool it lands in (``key``, as
+    :class:`~te_paged.stash.StashKey` prints it: ``dtype x width``), the bytes of one of its rows
+    and the tokens per row (1; 32 for an MXFP8 scale-inverse)."""
+
+    key: str
+    row_bytes: int
+    tokens_per_row: int = 1
+
+
+def expert_mlp_saved_tensors(
+    hidden: int, ffn: int, *, gated: bool = True, itemsize: int = 2
+) -> tuple[SavedTensor, ...]:
+    """What te_paged's expert MLP stashes per layer (the tensors of
+    :func:`stashed_bytes_per_token`): FC1 input ``[rows, H]``, activation input ``[rows, 2F]``
+    (``F`` not gated), probabilities ``[rows, 1]`` fp32, FC2 input ``[rows, F]``, the
+    activations of ``itemsize`` bytes (1 for FP8: MXFP8 scales ignored, as there)."""
+    if itemsize not in _DTYPE_NAMES:
+        raise ValueError(f"itemsize must be one of {sorted(_DTYPE_NAMES)}, got {itemsize!r}")
+    name = _DTYPE_NAMES[itemsize]
+    act_in = (2 if gated else 1) * ffn
+    return (
+        SavedTensor(f"{name}x{hidden}", hidden * itemsize),
+        SavedTensor(f"{name}x{act_in}", act_in * itemsize),
+        SavedTensor("float32x1", 4),
+        SavedTensor(f"{name}x{ffn}", ffn * itemsize),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePool:
+    """One pipeline stage's peak and the pool the manager sizes from it (per key: pages)."""
+
+    stage: int
+    in_flight: InFlight  # peak of passes forwarded, not backwarded (microbatch-chunks)
+    live_layers: int  # in_flight.peak × layers per chunk: layers' tensors held at the peak
+    peak_balanced_pages: dict[str, int]  # what the capture step records
+    pool_pages: dict[str, int]  # ceil(buffer_factor × peak balanced pages), at least 1
+    pool_bytes: dict[str, int]
+    s_bytes: int  # S: balanced-case bytes of the tensors live at the peak
+    static_bytes: float  # OFF: the same tensors at their static size, capacity_factor × S
+    saving_bytes: float  # the capacity model, (capacity_factor − buffer_factor) × S
+    peak_saving_bytes: float  # less one layer reloaded at static size, (cf − bf − cf/layers)·S
+
+    @property
+    def total_pool_bytes(self) -> int:
+        return sum(self.pool_bytes.values())
+
+    def to_dict(self) -> dict[str, object]:
+        d = dataclasses.asdict(self)
+        d["in_flight"] = self.in_flight.peak
+        d["chunk_peaks"] = list(self.in_flight.chunk_peaks)
+        d["total_pool_bytes"] = self.total_pool_bytes
+        return d
+
+
+def pipeline_pool_plan(
+    *,
+    pipeline_parallel: int,
+    microbatches: int,
+    num_layers: int,
+    balanced_rows: int,
+    saved: Sequence[SavedTensor],
+    virtual_stages: int | None = None,
+    microbatch_group_size: int | None = None,
+    page_size: int = 64,
+    buffer_factor: float = 1.10,
+    capacity_factor: float = 2.0,
+) -> list[StagePool]:
+    """Each pipeline stage's in-flight peak and the pool its manager allocates after capture.
+
+    ``num_layers`` stashing layers (MoE layers) split evenly over ``pipeline_parallel × chunks``
+    model chunks; every layer stashes ``saved`` per microbatch with ``balanced_rows`` balanced
+    rows (``N·k``: the scope's ``avg_num_tokens``); one manager per stage, shared by its chunks.
+    As the manager counts it, a live tensor takes ``ceil(min(balanced, static) rows / page)``
+    pages (static rows: ``ceil(capacity_factor × balanced)``), the capture peak is ``live_layers
+    × Σ pages`` per key — the peak comes right after a forward pass, when every layer of the
+    in-flight passes is live — and the pool ``max(1, ceil(buffer_factor × peak))`` pages, the
+    manager's expression, float rounding included (``ceil(1.1 × 50)`` is 56).
+
+    With ``pipeline_parallel = 1`` this is the plan of one microbatch in flight (Megatron-core
+    runs forward and backward of each microbatch in turn), whatever ``microbatches`` is.
+    Layouts Megatron-core 0.16.1 refuses raise ``ValueError`` (see
+    :class:`~te_paged.runtime.schedules.PipelineConfig`).
+    """
+    from te_paged.runtime.memory import capacity_model_saving, reload_adjusted_saving
+
+    pipeline = PipelineConfig(
+        pipeline_parallel, microbatches, virtual_stages, microbatch_group_size
+    )
+    per_chunk = pipeline.check_layers(num_layers)
+    for name, value in (("balanced_rows", balanced_rows), ("page_size", page_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    for name, value in (("buffer_factor", buffer_factor), ("capacity_factor", capacity_factor)):
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    if not saved:
+        raise ValueError("saved is empty: give the tensors each layer stashes")
+    static_rows = math.ceil(capacity_factor * balanced_rows)
+    pages_per_layer: dict[str, int] = {}
+    for t in saved:
+        rows = min(-(-balanced_rows // t.tokens_per_row), -(-static_rows // t.tokens_per_row))
+        pages_per_layer[t.key] = pages_per_layer.get(t.key, 0) + -(-rows // page_size)
+    row_bytes = {t.key: t.row_bytes for t in saved}
+    if len(row_bytes) != len({(t.key, t.row_bytes) for t in saved}):
+        raise ValueError("saved has one key with two row sizes: a key is one (dtype, width)")
+    bytes_per_token = sum(t.row_bytes / t.tokens_per_row for t in saved)
+    plans = []
+    for stage in range(pipeline_parallel):
+        flight = in_flight(pipeline, stage)
+        layers = flight.peak * per_chunk
+        peak = {k: layers * n for k, n in pages_per_layer.items()}
+        pool = {k: max(1, math.ceil(buffer_factor * n)) for k, n in peak.items()}
+        s_bytes = math.ceil(layers * balanced_rows * bytes_per_token)
+        plans.append(
+            StagePool(
+                stage=stage,
+                in_flight=flight,
+                live_layers=layers,
+                peak_balanced_pages=peak,
+                pool_pages=pool,
+                pool_bytes={k: n * page_size * row_bytes[k] for k, n in pool.items()},
+                s_bytes=s_bytes,
+                static_bytes=capacity_factor * s_bytes,
+                saving_bytes=capacity_model_saving(capacity_factor, buffer_factor, s_bytes),
+                peak_saving_bytes=reload_adjusted_saving(
+                    capacity_factor, buffer_factor, s_bytes, layers
+                ),
+            )
+        )
+    return plans

@@ -107,6 +107,9 @@ class StepRecord:
     suggested_buffer_size_factor_cuda: float | None = None
     fallback_peak_bytes: int | None = None  # memory the dropless rerun needed
     fallback_memory_method: str | None = None
+    # Pipeline parallelism: per stage (its index, as a string), the max over its ranks of the
+    # pool high-water pages per key; empty with one stage.
+    stage_pool_high_water_pages: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -190,6 +193,9 @@ class PagedStashRunner:
         self.consecutive_fallbacks = 0
         self.before_rerun = before_rerun
         self.step_index = 0
+        #: This rank's pipeline stage (its index; 0 without pipelining): the records then
+        #: carry each stage's pool high-water marks. The Megatron runner sets it.
+        self.stage = 0
         #: The last ``keep_records`` records (older ones are dropped: nothing grows per step);
         #: ``on_record`` sees every one, e.g. to append ``record.to_json()`` to a log file.
         self.records: collections.deque[StepRecord] = collections.deque(maxlen=keep_records)
@@ -236,8 +242,8 @@ class PagedStashRunner:
         return dist.get_rank(self.group), dist.get_world_size(self.group)
 
     def _local_stats(self, device: torch.device) -> tuple[torch.Tensor, list[str]]:
-        """This rank's slot, a device vector: [step, invalid, overflow, overbudget, spill,
-        peak_tokens, peak_pair, hwm per key...]."""
+        """This rank's slot, a device vector: [step, stage, invalid, overflow, overbudget,
+        spill, peak_tokens, peak_pair, hwm per key...]."""
         zero = torch.zeros((), dtype=torch.int64, device=device)
         overflow = spill = invalid = zero
         hwm: dict[str, torch.Tensor] = {}
@@ -257,16 +263,16 @@ class PagedStashRunner:
         for flag in self.participants.invalid_flags:
             invalid = invalid + (flag > 0).long().to(device)
         flags = [(overflow > 0).long(), (over > 0).long(), (spill > 0).long()]
-        step = torch.full((1,), self.step_index, dtype=torch.int64, device=device)
+        step = torch.tensor([self.step_index, self.stage], dtype=torch.int64, device=device)
         mine = [step, (invalid > 0).long().reshape(1), *(f.reshape(1) for f in flags)]
         mine += [peak.reshape(1), peak_pair.reshape(1), *(h.reshape(1) for h in hwm.values())]
         return torch.cat(mine), list(hwm)
 
     def _reduce(self) -> tuple[list[list[int]], list[list[int]], list[str]]:
         """One ``all_reduce(SUM)`` over one slot per rank (zero elsewhere, so the sum is a
-        gather) with its step index, flags and statistics. Returns, per flag [overflow,
-        overbudget, spill], the ranks that raised it; each rank's statistics ([peak, pair,
-        hwm...]); and the pool keys."""
+        gather) with its step index, pipeline stage, flags and statistics. Returns, per flag
+        [overflow, overbudget, spill], the ranks that raised it; each rank's statistics
+        ([stage, peak, pair, hwm...]); and the pool keys."""
         device = self._device()
         local, keys = self._local_stats(device)
         rank, world = self._world()
@@ -287,7 +293,7 @@ class PagedStashRunner:
         values = vec.tolist()  # the step's one device -> host read
         per_rank = [values[r * stats_len : (r + 1) * stats_len] for r in range(world)]
         self._check_step_indices([r[0] for r in per_rank], rank)
-        invalid = [r for r, row in enumerate(per_rank) if row[1]]
+        invalid = [r for r, row in enumerate(per_rank) if row[2]]
         if invalid:
             raise InvalidCountsError(
                 f"rank {rank}: rank(s) {invalid} saw token counts that cannot be right "
@@ -295,8 +301,8 @@ class PagedStashRunner:
                 "out of range, or a stash record popped twice): the step's result is wrong and "
                 "a rerun would repeat it. Check what the dispatcher hands the experts"
             )
-        flag_ranks = [[r for r, row in enumerate(per_rank) if row[2 + f]] for f in range(_FLAGS)]
-        return flag_ranks, [r[2 + _FLAGS :] for r in per_rank], keys
+        flag_ranks = [[r for r, row in enumerate(per_rank) if row[3 + f]] for f in range(_FLAGS)]
+        return flag_ranks, [[r[1], *r[3 + _FLAGS :]] for r in per_rank], keys
 
     def _check_step_indices(self, steps: list[int], rank: int) -> None:
         if len(set(steps)) <= 1:
@@ -371,9 +377,15 @@ class PagedStashRunner:
             flag_ranks, per_rank, keys = self._reduce()
         overflow, overbudget, spill = (len(ranks) for ranks in flag_ranks)
         budget, balanced = self._budget()
-        peak_tokens = max((r[0] for r in per_rank), default=0)
-        peak_pair = max((r[1] for r in per_rank), default=0)
-        hwm = {k: max(r[2 + i] for r in per_rank) for i, k in enumerate(keys)}
+        peak_tokens = max((r[1] for r in per_rank), default=0)
+        peak_pair = max((r[2] for r in per_rank), default=0)
+        hwm = {k: max(r[3 + i] for r in per_rank) for i, k in enumerate(keys)}
+        stages: dict[str, dict[str, int]] = {}
+        if any(r[0] for r in per_rank):  # more than one pipeline stage
+            for r in per_rank:
+                mine = stages.setdefault(str(r[0]), {})
+                for i, k in enumerate(keys):
+                    mine[k] = max(mine.get(k, 0), r[3 + i])
         record = StepRecord(
             step=self.step_index,
             attempt=1,
@@ -384,6 +396,7 @@ class PagedStashRunner:
             will_retry=bool(overflow or overbudget),
             pool_high_water_pages=hwm,
             pool_pages=self._pool_pages(),
+            stage_pool_high_water_pages=stages,
             peak_tokens=peak_tokens,
             budget_tokens=budget,
             balanced_tokens=balanced,

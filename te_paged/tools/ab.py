@@ -80,6 +80,7 @@ class RankResult:
     #: The measured step (see :func:`measured_step`); None: no step after the capture step
     #: kept paged stash (each was rerun without it), so there is no saving to report.
     memory_step: int | None = None
+    stage: int = 0  # the rank's pipeline stage (megatron engine; 0 without pipelining)
 
 
 @dataclasses.dataclass
@@ -92,34 +93,45 @@ class ABResult:
     def equal(self) -> bool:
         return all(
             all(r.grads_equal)
-            and all(a.loss == b.loss and a.grad_norm == b.grad_norm for a, b in zip(r.on, r.off))
+            and all(
+                _same(a.loss, b.loss) and a.grad_norm == b.grad_norm for a, b in zip(r.on, r.off)
+            )
             for r in self.ranks
         )
 
-    def memory(self) -> dict[str, int | float | None] | None:
-        """Max over ranks of the measured step's peaks, and the capacity model; None when no
-        step after the capture step kept paged stash. A ratio whose model is not positive
-        (``cf ≤ bf``, or one layer's reload ``cf/L`` at least ``cf − bf``) is None: there is
-        nothing to compare against."""
-        steps = {r.memory_step for r in self.ranks}
+    @property
+    def stages(self) -> int:
+        """Pipeline stages (the megatron engine's ``--pipeline-parallel``; 1 otherwise)."""
+        return int(self.config.get("pipeline_parallel", 1))
+
+    def memory(self, stage: int | None = None) -> dict[str, int | float | None] | None:
+        """Max over ranks (of ``stage``, or all) of the measured step's peaks, and the
+        capacity model; None when no step after the capture step kept paged stash. A ratio
+        whose model is not positive (``cf ≤ bf``, or one layer's reload ``cf/L`` at least
+        ``cf − bf``) is None: there is nothing to compare against. ``L`` is the layers whose
+        tensors are live at the peak: every layer without pipelining; a stage's in-flight
+        microbatch(-chunk)s' layers with it (:func:`te_paged.runtime.schedules.in_flight`)."""
+        ranks = [r for r in self.ranks if stage is None or r.stage == stage]
+        steps = {r.memory_step for r in ranks}
         if None in steps:
             return None
         # Reruns are decided by one collective, so every rank kept the same attempts.
         assert len(steps) == 1, f"ranks measured different steps: {sorted(steps)}"
         (step,) = steps
-        on = max(r.on[step].peak_bytes + r.pool_bytes for r in self.ranks)
-        off = max(r.off[step].peak_bytes for r in self.ranks)
-        s = max(r.s_bytes for r in self.ranks)
+        on = max(r.on[step].peak_bytes + r.pool_bytes for r in ranks)
+        off = max(r.off[step].peak_bytes for r in ranks)
+        s = max(r.s_bytes for r in ranks)
         cfg = self.config
         cf, bf = cfg["capacity_factor"], cfg["buffer_factor_cuda"]
         predicted = capacity_model_saving(cf, bf, s)
-        adjusted = reload_adjusted_saving(cf, bf, s, cfg["layers"])
+        layers = cfg["layers"] if stage is None else self.live_layers(stage)
+        adjusted = reload_adjusted_saving(cf, bf, s, layers)
         saving = off - on
         return {
             "step": step,
             "peak_on_bytes": on,
             "peak_off_bytes": off,
-            "pool_bytes": max(r.pool_bytes for r in self.ranks),
+            "pool_bytes": max(r.pool_bytes for r in ranks),
             "S_bytes": s,
             "saving_bytes": saving,
             "predicted_saving_bytes": predicted,
@@ -127,6 +139,29 @@ class ABResult:
             "reload_adjusted_saving_bytes": adjusted,
             "measured_over_reload_adjusted": saving / adjusted if adjusted > 0 else None,
         }
+
+    def live_layers(self, stage: int) -> int:
+        """Layers whose stashed tensors a pipeline stage holds at its peak: its in-flight
+        microbatch-chunks times the layers of a chunk."""
+        from te_paged.runtime.schedules import PipelineConfig, in_flight
+
+        cfg = self.config
+        pipeline = PipelineConfig(
+            self.stages, cfg.get("microbatches", 1), cfg.get("virtual_stages"), None
+        )
+        per_chunk = pipeline.check_layers(cfg["layers"])
+        return in_flight(pipeline, stage).peak * per_chunk
+
+    def memory_per_stage(self) -> list[dict[str, int | float | None] | None] | None:
+        """:meth:`memory` of each pipeline stage, stage 0 first; None without pipelining."""
+        if self.stages == 1:
+            return None
+        return [self.memory(stage) for stage in range(self.stages)]
+
+
+def _same(a: float, b: float) -> bool:
+    """Equal floats, NaN included (a pipeline stage without the loss reports NaN in both)."""
+    return a == b or (a != a and b != b)
 
 
 def measured_step(steps: list[StepResult]) -> int | None:
@@ -315,17 +350,33 @@ def _percent(ratio: float | None) -> str:
     return "n/a (model ≤ 0)" if ratio is None else f"{100 * ratio:.1f} %"
 
 
+def _memory_row(m: dict, cfg: dict, layers: int, stage: int | None = None) -> str:
+    lead = "" if stage is None else f"| {stage} "
+    return (
+        f"{lead}| {_mib(m['peak_on_bytes'])} | {_mib(m['peak_off_bytes'])} "
+        f"| {_mib(m['pool_bytes'])} | {_mib(m['saving_bytes'])} "
+        f"| {_mib(m['predicted_saving_bytes'])} "
+        f"(cf {cfg['capacity_factor']}, bf {cfg['buffer_factor_cuda']}, "
+        f"S {_mib(m['S_bytes'])}) "
+        f"| {_percent(m['measured_over_predicted'])} "
+        f"| {_mib(m['reload_adjusted_saving_bytes'])} (L {layers}) "
+        f"| {_percent(m['measured_over_reload_adjusted'])} |"
+    )
+
+
 def format_table(result: ABResult) -> str:
     """A reviewer's table: per step (labelled with how ON ran: capture, paged, fallback) ON/OFF
-    loss and grad norm, attempts and flags; then the memory of the measured step."""
-    r0 = result.ranks[0]
+    loss and grad norm, attempts and flags; then the memory of the measured step (per pipeline
+    stage with pipelining; the step rows show the last stage, which has the loss)."""
+    last = result.stages - 1
+    r0 = next(r for r in result.ranks if r.stage == last)
     rows = [
         "| step | loss ON | loss OFF | grad norm ON | grad norm OFF | bitwise equal | attempt "
         "| enabled | overflow ranks | over-budget ranks | host-spill ranks |",
         "| ---: | ---: | ---: | ---: | ---: | :---: | ---: | :---: | ---: | ---: | ---: |",
     ]
     for i, (a, b) in enumerate(zip(r0.on, r0.off)):
-        eq = all(r.grads_equal[i] and r.on[i].loss == r.off[i].loss for r in result.ranks)
+        eq = all(r.grads_equal[i] and _same(r.on[i].loss, r.off[i].loss) for r in result.ranks)
         rows.append(
             f"| {i} ({step_label(a)}) | {a.loss:.6f} | {b.loss:.6f} | {a.grad_norm:.6f} "
             f"| {b.grad_norm:.6f} | {'yes' if eq else 'NO'} | {a.attempt} | {a.enabled} "
@@ -333,6 +384,12 @@ def format_table(result: ABResult) -> str:
         )
     m = result.memory()
     cfg = result.config
+    header = [
+        "| peak ON (incl. pool) | peak OFF | pool | saving | predicted (cf − bf) × S "
+        "| measured / predicted | less one layer's reload (cf − bf − cf/L) × S "
+        "| measured / that |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     if m is None:
         rows += [
             "",
@@ -341,7 +398,7 @@ def format_table(result: ABResult) -> str:
             "",
         ]
         counted = len(r0.on) - 1
-    else:
+    elif result.stages == 1:
         counted = m["step"]
         which = "the last step" if counted == len(r0.on) - 1 else "the last that ran with the stash"
         rows += [
@@ -349,22 +406,30 @@ def format_table(result: ABResult) -> str:
             f"Memory of step {counted} ({which}), max over {result.world_size} rank(s) "
             f"({r0.memory_method}):",
             "",
-            "| peak ON (incl. pool) | peak OFF | pool | saving | predicted (cf − bf) × S "
-            "| measured / predicted | less one layer's reload (cf − bf − cf/L) × S "
-            "| measured / that |",
-            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-            f"| {_mib(m['peak_on_bytes'])} | {_mib(m['peak_off_bytes'])} "
-            f"| {_mib(m['pool_bytes'])} | {_mib(m['saving_bytes'])} "
-            f"| {_mib(m['predicted_saving_bytes'])} "
-            f"(cf {cfg['capacity_factor']}, bf {cfg['buffer_factor_cuda']}, "
-            f"S {_mib(m['S_bytes'])}) "
-            f"| {_percent(m['measured_over_predicted'])} "
-            f"| {_mib(m['reload_adjusted_saving_bytes'])} (L {cfg['layers']}) "
-            f"| {_percent(m['measured_over_reload_adjusted'])} |",
+            *header,
+            _memory_row(m, cfg, cfg["layers"]),
+            "",
+        ]
+    else:
+        counted = m["step"]
+        which = "the last step" if counted == len(r0.on) - 1 else "the last that ran with the stash"
+        rows += [
+            "",
+            f"Memory of step {counted} ({which}) per pipeline stage, max over the stage's "
+            f"ranks ({r0.memory_method}); L: the layers a stage holds at its peak (in-flight "
+            "microbatch-chunks x layers per chunk):",
+            "",
+            "| stage " + header[0],
+            "| ---: " + header[1],
+            *(
+                _memory_row(sm, cfg, result.live_layers(stage), stage)
+                for stage, sm in enumerate(result.memory_per_stage() or [])
+                if sm is not None
+            ),
             "",
         ]
     rows += [
-        f"stashes/pops (rank 0, step {counted}): {r0.stashes}/{r0.pops}; "
+        f"stashes/pops (rank {r0.rank}, step {counted}): {r0.stashes}/{r0.pops}; "
         f"ON and OFF {'bitwise equal' if result.equal else 'DIFFER'}.",
     ]
     return "\n".join(rows)

@@ -22,7 +22,8 @@ __all__ = ["check_ab_args", "model_config", "run_ab_command"]
 
 # Flags of one engine only (their defaults are None: the engine's config fills them in).
 _MEGATRON_ONLY = (
-    "ep", "dropout", "overlap_grad_reduce", "seq_length", "micro_batch_size", "microbatches"
+    "ep", "dropout", "overlap_grad_reduce", "seq_length", "micro_batch_size", "microbatches",
+    "pipeline_parallel", "virtual_stages",
 )  # fmt: skip
 #: The capture step, then one step that runs with the pool: the least a saving is measured on.
 MIN_STEPS = 2
@@ -63,6 +64,26 @@ def _megatron_missing() -> str | None:
     return None
 
 
+def _check_pipeline(cfg, world: int) -> str | None:
+    """The pipeline layout's problems, as Megatron-core 0.16.1 would refuse them."""
+    pp, vpp = cfg.pipeline_parallel, cfg.virtual_stages
+    if world % pp:
+        return f"--pipeline-parallel {pp} does not divide the {world} ranks"
+    if vpp is not None and pp == 1:
+        return "--virtual-stages needs --pipeline-parallel > 1 (the interleaved schedule)"
+    if cfg.layers % (pp * (vpp or 1)):
+        return (
+            f"--layers {cfg.layers} does not split evenly over {pp} stage(s) x {vpp or 1} "
+            "virtual stage(s)"
+        )
+    if vpp is not None and cfg.microbatches % pp:
+        return (
+            f"--microbatches {cfg.microbatches}: Megatron's interleaved schedule needs a "
+            f"multiple of --pipeline-parallel {pp}"
+        )
+    return None
+
+
 def check_ab_args(args: argparse.Namespace) -> str | None:
     """Everything the run would trip over, as one message (or None), before any rank starts."""
     megatron = args.engine == "megatron"
@@ -93,9 +114,14 @@ def check_ab_args(args: argparse.Namespace) -> str | None:
             f"--steps {cfg.steps}: step 0 is the stash's capture step (no pool yet), so "
             f"measuring the saving needs at least {MIN_STEPS} steps"
         )
-    ep = (args.ep or world) if megatron else world
-    if megatron and world % ep:
-        return f"--ep {ep} does not divide the {world} ranks"
+    pp = cfg.pipeline_parallel if megatron else 1
+    if megatron:
+        problem = _check_pipeline(cfg, world)
+        if problem:
+            return problem
+    ep = (args.ep or world // pp) if megatron else world
+    if megatron and (world // pp) % ep:
+        return f"--ep {ep} does not divide the {world // pp} ranks of a pipeline stage"
     if cfg.experts % ep:
         divisors = [d for d in range(1, cfg.experts + 1) if cfg.experts % d == 0]
         what = f"--ep {ep}" if megatron and args.ep else f"{ep} ranks"

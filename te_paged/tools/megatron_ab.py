@@ -15,7 +15,9 @@ stash pages at the capture step's peak of concurrently live rows — per MoE lay
 ``[balanced, H]``, the activation's input ``[balanced, 2F]`` and probabilities ``[balanced]``
 and FC2's input ``[balanced, F]``, where ``balanced = avg_num_tokens(max_num_tokens)`` rows and
 the peak holds the layers of one microbatch (the no-pipelining schedule runs each
-microbatch's backward before the next forward).
+microbatch's backward before the next forward). With ``--pipeline-parallel`` (Megatron's 1F1B
+schedule; ``--virtual-stages``: the interleaved one) a stage holds its in-flight microbatches'
+layers at its peak, and the memory table is per stage.
 
 ``--skew`` adds that much to expert 0's routing bias on rank 0 (the expert bias only steers
 selection), so rank 0 sends more than its pair budget to expert 0's rank: a forced
@@ -29,6 +31,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import warnings
 from collections.abc import Callable, Iterator
 
@@ -85,7 +88,9 @@ class MegatronModelConfig(ModelConfig):
     seq_length: int = 128
     micro_batch_size: int = 2
     microbatches: int = 2
-    ep: int | None = None  # expert-parallel size; None: the world size
+    ep: int | None = None  # expert-parallel size; None: the ranks of one pipeline stage
+    pipeline_parallel: int = 1  # pipeline stages (Megatron's 1F1B schedule when > 1)
+    virtual_stages: int | None = None  # virtual stages per rank: the interleaved schedule
     dropout: float = 0.1
     overlap_grad_reduce: bool = False
     layer_recompute: str | None = None  # "full" (every layer) or "moe" (the MoE layer)
@@ -147,6 +152,9 @@ def _transformer_config(cfg: MegatronModelConfig, ep: int):
         moe_router_load_balancing_type="seq_aux_loss",
         moe_aux_loss_coeff=1e-4,
         expert_model_parallel_size=ep,
+        pipeline_model_parallel_size=cfg.pipeline_parallel,
+        virtual_pipeline_model_parallel_size=cfg.virtual_stages,
+        pipeline_dtype=torch.float32,
         use_cpu_initialization=True,
         **recompute,
     )
@@ -200,6 +208,7 @@ def forward_step(data_iterator, model, before_forward: Callable[[], None] | None
 
 
 def _build(cfg: MegatronModelConfig, paged: bool, ep: int, device: torch.device, rank: int):
+    from megatron.core import parallel_state
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -224,36 +233,54 @@ def _build(cfg: MegatronModelConfig, paged: bool, ep: int, device: torch.device,
     # The MLP spec is replaced below: ask for the plain one (no deprecation notice).
     spec = get_gpt_layer_local_spec(num_experts=cfg.experts, moe_grouped_gemm=False)
     spec.submodules.mlp = get_te_paged_moe_spec(tcfg, device=device, **_overrides(cfg, paged))
-    model = GPTModel(
-        config=tcfg,
-        transformer_layer_spec=spec,
-        vocab_size=cfg.vocab,
-        max_sequence_length=cfg.seq_length,
-    ).to(device)
+    chunks = []
+    for vp_stage in range(cfg.virtual_stages or 1):  # one model chunk per virtual stage
+        vp = None if cfg.virtual_stages is None else vp_stage
+        chunks.append(
+            GPTModel(
+                config=tcfg,
+                transformer_layer_spec=spec,
+                vocab_size=cfg.vocab,
+                max_sequence_length=cfg.seq_length,
+                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False,
+                                                                   vp_stage=vp),
+                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False,
+                                                                   vp_stage=vp),
+                vp_stage=vp,
+            ).to(device)
+        )  # fmt: skip
     if cfg.skew and rank == 0:
         with torch.no_grad():
-            for layer in model.modules():
+            for layer in (m for chunk in chunks for m in chunk.modules()):
                 if isinstance(layer, PagedStashMoELayer):
                     layer.router.expert_bias[0] += cfg.skew
     ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=cfg.overlap_grad_reduce)
-    ddp = DistributedDataParallel(tcfg, ddp_config, model)
-    tcfg.no_sync_func = ddp.no_sync
+    ddp = [
+        DistributedDataParallel(tcfg, ddp_config, chunk, disable_bucketing=i > 0)
+        for i, chunk in enumerate(chunks)
+    ]
+    tcfg.no_sync_func = [d.no_sync for d in ddp] if len(ddp) > 1 else ddp[0].no_sync
     tcfg.finalize_model_grads_func = finalize_model_grads
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.01, clip_grad=1.0), [ddp]
+        OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.01, clip_grad=1.0), ddp
     )
     runner = MegatronPagedStashRunner(
-        [ddp], optimizer, max_consecutive_fallbacks=cfg.max_consecutive_fallbacks
+        ddp, optimizer, max_consecutive_fallbacks=cfg.max_consecutive_fallbacks
     )
     return ddp, optimizer, runner
 
 
 @contextlib.contextmanager
-def megatron_parallel(ep: int) -> Iterator[None]:
-    """Megatron's model-parallel state with expert parallelism ``ep`` (TP = PP = 1) inside."""
+def megatron_parallel(ep: int, pp: int = 1, vpp: int | None = None) -> Iterator[None]:
+    """Megatron's model-parallel state with expert parallelism ``ep``, pipeline parallelism
+    ``pp`` (``vpp`` virtual stages per rank) and TP = 1 inside."""
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
+    parallel_state.initialize_model_parallel(
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        expert_model_parallel_size=ep,
+    )
     try:
         yield
     finally:
@@ -271,6 +298,7 @@ def train(
 ) -> TrainRun:
     """``cfg.steps`` training steps (or the given ``iterations``, passed to the runner) of a
     fresh model, inside :func:`megatron_parallel`."""
+    from megatron.core import parallel_state
     from megatron.core.transformer.moe.moe_utils import (
         clear_aux_losses_tracker,
         get_moe_layer_wise_logging_tracker,
@@ -278,10 +306,16 @@ def train(
 
     ddp, optimizer, runner = _build(cfg, paged, ep, device, rank)
     run = TrainRun([], [], [], runner.managers)
+    # The stages of one pipeline read the same microbatches: the data follows the data-parallel
+    # rank (the global rank without pipelining).
+    dp_rank = parallel_state.get_data_parallel_rank()
     for step in range(cfg.steps) if iterations is None else iterations:
-        data = [microbatch(cfg, step, i, rank) for i in range(cfg.microbatches)]
+        data = [microbatch(cfg, step, i, dp_rank) for i in range(cfg.microbatches)]
+        # One iterator per model chunk (the interleaved schedule reads each chunk's own).
+        iterators = [iter(data) for _ in ddp] if len(ddp) > 1 else iter(data)
         optimizer.zero_grad()
-        ddp.zero_grad_buffer()
+        for chunk in ddp:
+            chunk.zero_grad_buffer()
         for manager in runner.managers:
             manager.reset()  # allocates the pool after the capture step: outside the meter
         capture = capturing(runner.managers)
@@ -292,8 +326,8 @@ def train(
                 forward_step_func=functools.partial(
                     forward_step, before_forward=runner.before_rerun
                 ),
-                data_iterator=iter(data),
-                model=[ddp],
+                data_iterator=iterators,
+                model=ddp,
                 num_microbatches=cfg.microbatches,
                 seq_length=cfg.seq_length,
                 micro_batch_size=cfg.micro_batch_size,
@@ -304,8 +338,11 @@ def train(
         tracker = get_moe_layer_wise_logging_tracker()
         run.aux.append({n: e["values"].detach().cpu().clone() for n, e in tracker.items()})
         clear_aux_losses_tracker()  # as Megatron's training loop does after logging
-        run.params.append([p.detach().cpu().clone() for p in ddp.module.parameters()])
-        loss = torch.stack([x["lm loss"] for x in losses]).mean()
+        run.params.append(
+            [p.detach().cpu().clone() for chunk in ddp for p in chunk.module.parameters()]
+        )
+        # Only the last pipeline stage computes the loss; the others report NaN (null in JSON).
+        loss = torch.stack([x["lm loss"] for x in losses]).mean() if losses else torch.nan
         pool, s_bytes = pool_and_s_bytes(runner.managers)
         stats = [m.stats() for m in runner.managers]
         run.steps.append(
@@ -341,8 +378,11 @@ def same_steps(a: TrainRun, b: TrainRun) -> list[bool]:
     def same(x: list[torch.Tensor], y: list[torch.Tensor]) -> bool:
         return len(x) == len(y) and all(torch.equal(u, v) for u, v in zip(x, y))
 
+    def same_float(x: float, y: float) -> bool:  # a stage without the loss has NaN in both
+        return x == y or (math.isnan(x) and math.isnan(y))
+
     return [
-        sa.loss == sb.loss
+        same_float(sa.loss, sb.loss)
         and sa.grad_norm == sb.grad_norm
         and same(pa, pb)
         and aa.keys() == ab.keys()
@@ -357,15 +397,21 @@ def run_megatron_ab(
     progress: Callable[[str], None] | None = None,
 ) -> RankResult:
     """OFF then ON on this rank of an initialised process group; Megatron's model-parallel
-    state is initialised here (EP ``cfg.ep``, default the world size) and destroyed after."""
+    state is initialised here (pipeline ``cfg.pipeline_parallel`` × EP ``cfg.ep``, default the
+    ranks of one stage) and destroyed after."""
+    from megatron.core import parallel_state
+
     device = torch.device(device)
     rank, world = dist.get_rank(), dist.get_world_size()
-    ep = cfg.ep or world
-    with megatron_parallel(ep):
+    ep = cfg.ep or world // cfg.pipeline_parallel
+    with megatron_parallel(ep, cfg.pipeline_parallel, cfg.virtual_stages):
+        stage = parallel_state.get_pipeline_model_parallel_rank()
         off = train(cfg, False, ep, device, rank, progress)
         on = train(cfg, True, ep, device, rank, progress)
     equal = same_steps(on, off)
     (manager,) = on.managers
-    return rank_result(
+    result = rank_result(
         rank, on.steps, off.steps, equal, manager.stats().host_pool_bytes, on.memory_method, []
     )
+    result.stage = stage
+    return result

@@ -1,7 +1,10 @@
 """``te-paged plan``: factors from a routing profile, or a named model's sizes.
 
 The two sources take different flags; a flag of the other source is refused rather than
-ignored. Their defaults live here (the parser shows them, the check fills them in).
+ignored. Their defaults live here (the parser shows them, the check fills them in). With
+``--model`` and ``--pipeline-parallel`` above 1 a table per pipeline stage follows the model's
+sizes: the microbatch(-chunk)s the stage holds at its peak under Megatron-core's schedule and
+the pool its manager sizes from them (:func:`te_paged.runtime.planner.pipeline_pool_plan`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,11 @@ MODEL_DEFAULTS: dict[str, object] = {
     "capacity_factor": 2.0,
     "buffer_factor_cuda": 1.1,
     "ring_of_experts": False,
+    "page_size": 64,
+    "pipeline_parallel": 1,
+    "virtual_stages": None,  # 1F1B
+    "microbatches": None,  # the pipeline size
+    "microbatch_group_size": None,  # the pipeline size (interleaved only)
 }
 #: ``--profile``'s flags and their defaults.
 PROFILE_DEFAULTS: dict[str, object] = {
@@ -56,7 +64,7 @@ def check_plan_args(args: argparse.Namespace) -> str | None:
         experts = planner.NAMED_CONFIGS[args.model].num_experts
         if experts % args.ep:
             return f"--ep {args.ep} does not divide {args.model}'s {experts} experts"
-        return None
+        return _check_pipeline(args, planner.NAMED_CONFIGS[args.model].moe_layers)
     if (args.hidden is None) != (args.ffn is None):
         return "give both --hidden and --ffn (for the memory of each choice), or neither"
     try:
@@ -65,6 +73,45 @@ def check_plan_args(args: argparse.Namespace) -> str | None:
         return f"--profile {args.profile}: no such file"
     except (OSError, ValueError, TypeError, KeyError, IndexError) as e:
         return f"--profile {args.profile}: not a routing profile ({type(e).__name__}: {e})"
+    return None
+
+
+def _check_pipeline(args: argparse.Namespace, model_layers: int) -> str | None:
+    """Megatron-core 0.16.1's rules for the layout (``PipelineConfig`` raises on the same),
+    named by flag; fills in the microbatches (the pipeline size) when not given."""
+    p, v, g = args.pipeline_parallel, args.virtual_stages, args.microbatch_group_size
+    if args.microbatches is None:
+        args.microbatches = p
+    m = args.microbatches
+    if v is not None and p == 1:
+        return (
+            f"--virtual-stages {v} needs --pipeline-parallel > 1 (with one stage Megatron-core "
+            "runs forward_backward_no_pipelining, one model chunk)"
+        )
+    if g is not None and v is None:
+        return "--microbatch-group-size: only with --virtual-stages (the interleaved schedule)"
+    if v is not None:
+        group = p if g is None else g
+        if not p <= group <= m:
+            return (
+                f"--microbatches {m}: Megatron-core's interleaved schedule needs --pipeline-"
+                f"parallel ({p}) <= microbatch group size ({group}"
+                f"{'' if g else ', by default the pipeline size'}) <= --microbatches"
+            )
+        if 0 < m % group < p:
+            return (
+                f"--microbatches {m}: Megatron-core's interleaved schedule needs a multiple of "
+                f"the microbatch group size ({group}) or a remainder >= --pipeline-parallel "
+                f"({p}), not {m % group}"
+            )
+    layers = args.layers or model_layers
+    parts = p * (v or 1)
+    if layers % parts:
+        return (
+            f"{'--layers' if args.layers else f'{args.model} has'} {layers} MoE layers, not "
+            f"divisible by --pipeline-parallel {p} x {v or 1} model chunks = {parts}: give "
+            "--layers, the MoE layers spread evenly over the chunks"
+        )
     return None
 
 
@@ -109,7 +156,70 @@ def _run_model(args: argparse.Namespace) -> int:
         f"{_gib(s['predicted_saving_bytes'])}; at the step's peak, with one layer "
         f"reloaded at static size, (cf - bf - cf/L) x S {_gib(s['peak_saving_bytes'])}"
     )
+    if args.pipeline_parallel > 1:
+        _print_stages(args, cfg, s, layers)
     return 0
+
+
+def _mib(b: float) -> str:
+    return f"{b / 2**20:,.1f}"
+
+
+def _print_stages(args: argparse.Namespace, cfg, sizes: dict[str, float], layers: int) -> None:
+    from te_paged.runtime import planner
+    from te_paged.runtime.schedules import PipelineConfig, PipelineSchedule
+
+    p, v, m = args.pipeline_parallel, args.virtual_stages, args.microbatches
+    pipeline = PipelineConfig(p, m, v, args.microbatch_group_size)
+    cf = sizes["worst_case_rows"] / sizes["balanced_rows"]
+    stages = planner.pipeline_pool_plan(
+        pipeline_parallel=p,
+        microbatches=m,
+        virtual_stages=v,
+        microbatch_group_size=args.microbatch_group_size,
+        num_layers=layers,
+        balanced_rows=int(sizes["balanced_rows"]),
+        saved=planner.expert_mlp_saved_tensors(cfg.hidden, cfg.ffn, itemsize=args.dtype_bytes),
+        page_size=args.page_size,
+        buffer_factor=args.buffer_factor_cuda,
+        capacity_factor=cf,
+    )
+    interleaved = pipeline.schedule is PipelineSchedule.INTERLEAVED
+    how = (
+        f"interleaved, {v} model chunk(s) of {layers // (p * v)} MoE layers per stage, "
+        f"microbatch group {pipeline.group_size}"
+        if interleaved
+        else f"1F1B, {layers // p} MoE layers per stage"
+    )
+    print(
+        f"pipeline: {p} stages, {m} microbatches, {how} (Megatron-core "
+        f"{pipeline.schedule.value}); one paged-stash manager per stage:"
+    )
+    keys = list(stages[0].pool_pages)
+    head = ["stage", "in flight", *(["chunk peaks"] if interleaved else []), "layers", *keys]
+    head += ["pool MiB", "OFF MiB", "saving MiB", "at peak MiB"]
+    rows = []
+    for st in stages:
+        row = [str(st.stage), str(st.in_flight.peak)]
+        if interleaved:
+            row.append(" ".join(map(str, st.in_flight.chunk_peaks)))
+        row.append(str(st.live_layers))
+        row += [f"{st.pool_pages[k]:,}" for k in keys]
+        row += [_mib(st.total_pool_bytes), _mib(st.static_bytes), _mib(st.saving_bytes),
+                _mib(st.peak_saving_bytes)]  # fmt: skip
+        rows.append(row)
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    for r in [head, *rows]:
+        print("  " + "  ".join(c.rjust(w) for c, w in zip(r, widths)))
+    unit = "microbatch-chunks" if interleaved else "microbatches"
+    chunk_note = "; chunk peaks: each model chunk's own peak" if interleaved else ""
+    print(
+        f"  in flight: {unit} forwarded and not yet backwarded at the stage's peak{chunk_note}; "
+        f"layers: the (layer, microbatch) activations live then; per key, the pool pages its "
+        f"manager sizes from the capture step, ceil({args.buffer_factor_cuda} x balanced pages of "
+        f"{args.page_size} rows); OFF: the same tensors static, cf x S; saving: (cf - bf) x S, "
+        f"at peak (cf - bf - cf/L) x S, L the live layers"
+    )
 
 
 def run_plan_command(args: argparse.Namespace) -> int:

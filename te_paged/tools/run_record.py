@@ -56,6 +56,7 @@ def build_record(result: ABResult, engine: str, command: list[str]) -> dict[str,
         "equal": result.equal,
         **dataclasses.asdict(result),
         "memory": result.memory(),
+        "memory_per_stage": result.memory_per_stage(),
     }
     return _finite(record)
 

@@ -132,6 +132,10 @@ class MegatronPagedStashRunner(PagedStashRunner):
         self.config = config if config is not None else get_model_config(self.chunks[0])
         self.forward_backward_func = forward_backward_func
         self._forward_only = False
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            self.stage = parallel_state.get_pipeline_model_parallel_rank()
         from megatron.core.transformer.moe.router import TopKRouter
 
         self._routers = [m for c in self.chunks for m in c.modules() if isinstance(m, TopKRouter)]

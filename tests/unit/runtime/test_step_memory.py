@@ -58,3 +58,21 @@ def test_step_peak_saving_matches_the_reload_adjusted_model(op_fuser, recompute,
     # Measured 0.98-1.11 of the model on these eight paths.
     ratio = (off - on) / expected
     assert 0.9 <= ratio <= 1.25, ((off - on) / s_bytes, expected / s_bytes)
+
+
+def test_the_cpu_meter_measures_a_step_of_several_microbatches() -> None:
+    # torch's MemTracker refuses a root module's second forward ("multiple iterative calls");
+    # a gradient-accumulation step makes exactly those. Both activations are alive at the peak.
+    from te_paged.runtime.memory import measure_peak
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU())
+    xs = [torch.randn(128, 64) for _ in range(2)]
+
+    def step():
+        outs = [model(x) for x in xs]  # forward of both microbatches, then both backwards
+        for out in outs:
+            out.sum().backward()
+
+    _, report = measure_peak(step, "cpu")
+    one = 128 * 256 * 4  # one microbatch's activation (bytes)
+    assert report.peak_bytes >= 2 * one, report

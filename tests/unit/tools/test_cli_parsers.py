@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import io
+import itertools
 import re
 import sys
 from collections.abc import Iterator
@@ -85,8 +86,8 @@ def test_one_name_per_knob_and_megatron_aliases() -> None:
         spellings.setdefault(action.dest, set()).add(tuple(action.option_strings))
     differing = {dest: s for dest, s in spellings.items() if len(s) > 1}
     assert not differing, differing  # a knob is spelled the same in ab, plan and bench
-    for flag, alias in cli.MEGATRON_ALIASES.items():
-        assert spellings[flag[2:].replace("-", "_")] == {(flag, alias)}
+    for flag, aliases in cli.MEGATRON_ALIASES.items():
+        assert spellings[flag[2:].replace("-", "_")] == {(flag, *aliases)}
     # the five names of one knob are one now: the CUDA pool factor, in every command
     for argv in (
         ["ab", "--moe-paged-stash-buffer-size-factor-cuda", "1.3"],
@@ -102,6 +103,21 @@ def test_one_name_per_knob_and_megatron_aliases() -> None:
     cfg = ab_command.model_config(args)
     assert (cfg.capacity_factor, cfg.page_size, cfg.buffer_factor_cpu) == (1.7, 16, 0.5)
     assert cfg.buffer_factor_cuda == 1.10  # not given: the model's default
+    # the pipeline layout by Megatron's names: Megatron-LM's flags, Megatron-core's fields
+    model = ["plan", "--model", "deepseek-v3"]
+    for argv in (
+        ["--pipeline-parallel", "4", "--virtual-stages", "2", "--microbatches", "8",
+         "--microbatch-group-size", "4"],
+        ["--pipeline-model-parallel-size", "4", "--virtual-pipeline-model-parallel-size", "2",
+         "--num-microbatches", "8", "--microbatch-group-size-per-virtual-pipeline-stage", "4"],
+        ["--pipeline-model-parallel-size", "4", "--num-virtual-stages-per-pipeline-rank", "2",
+         "--num-microbatches", "8", "--microbatch-group-size-per-virtual-pipeline-stage", "4"],
+    ):  # fmt: skip
+        args = parser.parse_args([*model, *argv])
+        layout = (args.pipeline_parallel, args.virtual_stages, args.microbatches,
+                  args.microbatch_group_size)  # fmt: skip
+        assert layout == (4, 2, 8, 4), argv
+    assert parser.parse_args(["ab", "--num-microbatches", "3"]).microbatches == 3
 
 
 def test_version(capsys) -> None:
@@ -186,8 +202,82 @@ def test_min_profile_steps() -> None:
             ["--model", "deepseek-v3", "--target-rerun-rate", "0.1"],
             "--target-rerun-rate: only with --profile",
         ),
+        (
+            ["--profile", "p.json", "--pipeline-parallel", "2", "--microbatches", "4"],
+            "--pipeline-parallel, --microbatches: only with --model",
+        ),
+        (["--profile", "p.json", "--page-size", "16"], "--page-size: only with --model"),
     ],
 )
 def test_plan_refuses_the_other_sources_flags(argv, message) -> None:
     args = cli._parser().parse_args(["plan", *argv])
     assert plan_command.check_plan_args(args) == message
+
+
+def _plan_check(argv: list[str]) -> tuple[argparse.Namespace, str | None]:
+    args = cli._parser().parse_args(["plan", "--model", "deepseek-v3", *argv])
+    return args, plan_command.check_plan_args(args)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--virtual-stages", "2"], "--virtual-stages 2 needs --pipeline-parallel > 1"),
+        (["--pipeline-parallel", "2", "--microbatch-group-size", "2"],
+         "--microbatch-group-size: only with --virtual-stages"),
+        (["--pipeline-parallel", "2", "--virtual-stages", "2", "--microbatches", "3"],
+         "--microbatches 3: Megatron-core's interleaved schedule needs a multiple of the "
+         "microbatch group size (2) or a remainder >= --pipeline-parallel (2), not 1"),
+        (["--pipeline-parallel", "4", "--virtual-stages", "2", "--microbatches", "2",
+          "--layers", "8"],
+         "needs --pipeline-parallel (4) <= microbatch group size (4, by default the pipeline "
+         "size) <= --microbatches"),
+        (["--pipeline-parallel", "4"], "deepseek-v3 has 58 MoE layers, not divisible by "
+         "--pipeline-parallel 4 x 1 model chunks = 4: give --layers"),
+        (["--pipeline-parallel", "2", "--virtual-stages", "2", "--layers", "6"],
+         "--layers 6 MoE layers, not divisible by --pipeline-parallel 2 x 2 model chunks = 4"),
+    ],
+)  # fmt: skip
+def test_plan_refuses_what_megatron_refuses(argv, message) -> None:
+    problem = _plan_check(argv)[1]
+    assert problem is not None and message in problem, problem
+
+
+def test_plan_microbatches_default_to_the_pipeline_size() -> None:
+    args, problem = _plan_check(["--pipeline-parallel", "2", "--virtual-stages", "2",
+                                 "--layers", "56"])  # fmt: skip
+    assert problem is None and args.microbatches == 2
+    args, problem = _plan_check([])
+    assert problem is None and (args.pipeline_parallel, args.microbatches) == (1, 1)
+
+
+def test_plan_and_the_library_refuse_the_same_layouts() -> None:
+    from te_paged.runtime.schedules import PipelineConfig
+
+    checked = 0
+    for p, v, m, g, layers in itertools.product(
+        (1, 2, 3, 4), (None, 1, 2, 3), range(1, 10), (None, 2, 3, 5), (12, 24, 30)
+    ):
+        argv = ["--pipeline-parallel", str(p), "--microbatches", str(m), "--layers", str(layers)]
+        argv += [] if v is None else ["--virtual-stages", str(v)]
+        argv += [] if g is None else ["--microbatch-group-size", str(g)]
+        try:
+            PipelineConfig(p, m, v, g).check_layers(layers)
+            library = None
+        except ValueError as e:
+            library = str(e)
+        assert (_plan_check(argv)[1] is None) == (library is None), (argv, library)
+        checked += library is None
+    assert checked > 100  # and many layouts pass both
+
+
+def test_the_pipeline_example_of_choosing_factors_is_what_plan_prints(capsys) -> None:
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "choosing-factors.md").read_text()
+    section = doc.split("## A pipeline stage's pool")[1]
+    command, printed = re.findall(r"```(?:bash)?\n(.*?)```", section, re.S)[:2]
+    argv = command.split()
+    assert argv[:2] == ["te-paged", "plan"] and "--pipeline-parallel" in argv
+    assert cli.main(argv[1:]) == 0
+    out = capsys.readouterr().out
+    for line in printed.splitlines():
+        assert line in out.splitlines(), line
