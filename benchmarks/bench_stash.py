@@ -3,8 +3,10 @@
     python benchmarks/bench_stash.py [--hidden-sizes ...] [--token-counts ...] \
         --out benchmarks/results/X.md
 
-Equivalent to ``te-paged bench --only stash`` (the same flags, plus ``--capacity-factor`` for
-the padding table and ``--out`` for one file).
+Each (hidden, tokens) is timed from three free lists (fresh, as a 1F1B schedule leaves it,
+alternating free pages: te_paged.tools.free_lists) for every stash backend that can be timed
+on the device. Equivalent to ``te-paged bench --only stash`` (the same flags, plus
+``--capacity-factor`` for the padding table and ``--out`` for one file).
 """
 
 from __future__ import annotations
@@ -32,9 +34,9 @@ def parser() -> argparse.ArgumentParser:
                    "CUDA triton.testing.do_bench's own count)")  # fmt: skip
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="where to run (%(default)s: cuda when available, else cpu)")  # fmt: skip
-    p.add_argument("--kernel-backend", default="auto", choices=backend_choices(),
-                   help="stash kernels (%(default)s: Triton on CUDA, the torch reference on "
-                   "CPU)")  # fmt: skip
+    p.add_argument("--kernel-backend", choices=backend_choices(),
+                   help="time these stash kernels only (auto: Triton on CUDA, the torch "
+                   "reference on CPU; default: every backend, Triton on CUDA only)")  # fmt: skip
     p.add_argument("--out", help="write the Markdown report here too")
     return p
 

@@ -1,4 +1,5 @@
-"""``te-paged bench``: stash/pop against a plain copy, and step time ON/OFF; dated reports."""
+"""``te-paged bench``: stash/pop against a plain copy (fresh and fragmented free lists, every
+stash backend unless ``--kernel-backend`` names one), and step time ON/OFF; dated reports."""
 
 from __future__ import annotations
 
@@ -80,7 +81,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
                 tokens,
                 repeats=args.repeats,
                 device=args.device,
-                backend=args.kernel_backend or "auto",
+                backend=args.kernel_backend,  # not given: every backend that can be timed
                 command=command,
                 progress=progress,
             )

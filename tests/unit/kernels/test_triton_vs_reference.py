@@ -13,6 +13,7 @@ import os
 import random
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton", reason="the Triton stash kernels need `pip install triton`")
 
-from te_paged.kernels import triton_stash
+from te_paged.kernels import reference, triton_stash
 from te_paged.kernels.layout import FLAGS_LEN, META_LEN, STATE_LEN, Flag, Meta, State, Tier
 from te_paged.kernels.reference import torch_stash_copy, torch_stash_pop
 from te_paged.kernels.triton_stash import triton_stash_copy, triton_stash_pop
@@ -256,6 +257,53 @@ def test_seeded_sequences_match_reference(seed) -> None:
     rng = random.Random(seed)
     tiers = _run_sequence(lambda label, xs: rng.choice(xs), host_pages=4, ops=30)
     assert tiers[Tier.DEVICE] and tiers[Tier.HOST], tiers
+
+
+def _run_fragmented(pick: Pick, free_order: list[int] | None = None) -> int:
+    """Fill both tiers with one-page tensors, pop some of them in ``free_order`` (or a picked
+    order), then stash and pop bigger tensors on the scattered pages; returns how many of the
+    reference's moves took its indexed path (page lists of more than four runs)."""
+    device = _device()
+    dtype = pick("dtype", _DTYPES)
+    hidden = pick("hidden", [4, 8, 16] if dtype != torch.uint8 else [3, 16])
+    page_size = pick("page_size", [1, 2, 3])
+    dev_pages = pick("dev_pages", [10, 12, 14])
+    host_pages = pick("host_pages", [0, 0, 6])
+    twin = Twin({dtype: Pool.build(dtype, hidden, page_size, dev_pages, host_pages, device)},
+                device)  # fmt: skip
+    one_page = _bits(dtype, (page_size, hidden), 0, device)
+    for _ in range(dev_pages + host_pages):  # every page held: no fresh page stays queued
+        twin.copy(one_page, page_size, 1)
+    if free_order is None:
+        free_order = [pick("free", list(range(n))) for n in range(dev_pages + host_pages, 3, -1)]
+    for index in free_order:
+        twin.pop(index, hidden, pick("zero_padding", [False, True]), 0)
+    with mock.patch.object(reference, "_move_pages", wraps=reference._move_pages) as spy:
+        for step in range(pick("ops", [2, 3, 4])):
+            rows = pick("max_rows", [5 * page_size + 1, 7 * page_size, 3 * page_size])
+            tokens = pick("num_tokens", [rows, rows - 1, page_size * 5])
+            twin.copy(_bits(dtype, (rows, hidden), 500 + step, device), min(tokens, rows), 1)
+            if pick("pop it?", [False, True]):  # its pages go back in its scattered order
+                twin.pop(len(twin.records) - 1, hidden, pick("zero_padding", [False, True]), 3)
+        while twin.records:  # newest first, then the one-page tensors still held
+            twin.pop(len(twin.records) - 1, hidden, pick("zero_padding", [False, True]), 9)
+    return spy.call_count
+
+
+def test_alternating_free_pages_match_reference() -> None:
+    # 12 device pages of 2 rows, the even ones freed: 6 scattered pages, as `te-paged bench`'s
+    # worst case; each stash then takes five or six of them.
+    choices = {"dtype": torch.int16, "hidden": 8, "page_size": 2, "dev_pages": 12,
+               "host_pages": 0, "ops": 3, "max_rows": 11, "num_tokens": 11}  # fmt: skip
+    moves = _run_fragmented(lambda label, xs: choices.get(label, xs[-1]), list(range(6)))
+    assert moves == 6  # three stashes of six scattered pages and their pops, all by index
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_hypothesis_fragmented_pools_match_reference(data) -> None:
+    moves = _run_fragmented(lambda label, xs: data.draw(st.sampled_from(xs), label=label))
+    event(f"reference moves by index: {'some' if moves else 'none'}")
 
 
 def _single(dtype=torch.int16, hidden=4, page_size=2, dev_pages=2, host_pages=0) -> Twin:
