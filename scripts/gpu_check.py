@@ -1,58 +1,107 @@
-"""Checks that need a CUDA GPU; run through ``scripts/gpu_check.sh``. Prints a Markdown report.
+"""Checks that need a CUDA GPU; run through ``scripts/gpu_check.sh`` (under 8 minutes on one H200).
 
-1. the Triton kernels vs the torch reference, compiled (``TRITON_INTERPRET=0``);
-2. paged stash ON vs OFF and op-fuser vs unfused, bitwise, on CUDA in bf16;
-3. ``torch.cuda.set_sync_debug_mode("error")`` around a captured ON step (Triton backend);
-4. CUDA-graph capture and replay of a captured ON step, bitwise against eager OFF;
-5. stash/pop bandwidth as a fraction of a device-to-device copy;
-6. ``te-paged ab --device cuda`` with the allocator's peak statistics, on the default and the
-   op-fuser + recompute paths: bitwise ON/OFF and a saving of at least 80 % of
-   ``(cf − bf − cf/L) × S``.
+Writes a Markdown report (``benchmarks/results/gpu-<date>.md``): the command, the machine, one
+row per check (target, result, figures, seconds), then each check's full tables.
 
-Each check reports PASS or FAIL with its error and the next one runs regardless.
+1. the Triton kernels vs the torch reference, compiled (``TRITON_INTERPRET=0``): the kernel unit
+   tests, and one stash and pop per element type at model sizes (bf16, fp16, fp32, FP8 e4m3 and
+   e5m2, the MXFP8 scale pool) on fresh, 1F1B and alternating free lists and a host-tier spill;
+2. paged stash ON vs OFF (and op-fuser vs unfused) on CUDA, bf16 and MXFP8, ``TEGroupedMLP``
+   and ``MoELayer`` (1 rank), bitwise;
+3. ``torch.cuda.set_sync_debug_mode("error")`` around the captured step of ``TEGroupedMLP``
+   and ``MoELayer`` (1 rank);
+4. CUDA-graph capture and replay of ``TEGroupedMLP``'s captured step, bitwise against eager;
+5. the same for ``MoELayer`` (1 rank);
+6. stash+pop bandwidth vs a device-to-device copy of the same bytes (``stash_report``);
+7. step time ON/OFF with and without stream overlap, DeepSeek-like expert layers;
+8. peak allocated memory ON/OFF (the CUDA allocator's statistics) vs the capacity model;
+9. ``te-paged ab --device cuda`` with one rank, default and op-fuser + recompute paths.
+
+Each check runs in its own process (a CUDA error cannot poison the next one; ``--in-process``
+for debugging) and reports PASS (its target met), MISS (it ran; a figure missed its target),
+FAIL (an error) or N/A (it cannot run here, or a feature it measures is not there yet). Every
+check runs whatever the others did; once ``--budget-s`` is spent the rest are N/A, and the
+report is rewritten after each check, so a run cut short still leaves its figures.
+``--cpu-dry-run`` runs everything that can at toy sizes on the CPU (torch backend; check 1's
+Triton side interpreted) to test this script without a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import gc
+import inspect
 import itertools
 import json
 import os
+import platform
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CHECKS: list[tuple[str, object]] = []
+CHECKS: list[tuple[str, str, Callable[[], str | None]]] = []  # (name, target, function)
+SECTIONS: list[str] = []  # Markdown the running check adds to the report: its full tables
+
+DEV, BACKEND, DRY = torch.device("cuda"), "triton", False
+#: Tokens per step of the DeepSeek-like layers (checks 7, 8): x top-8 = 16k expert rows.
+STEP_TOKENS = 2048
+NO_OVERLAP = "stream_overlap not available (PagedStashManager takes no stream_overlap keyword)"
 
 
-def check(name: str):
+class TargetMissed(Exception):
+    """The check ran and a figure missed its target; the message gives the figures."""
+
+
+class Unavailable(Exception):
+    """The check cannot run here (CUDA-only in a dry run, a feature not there yet)."""
+
+
+def check(name: str, target: str):
     def register(fn):
-        CHECKS.append((name, fn))
+        CHECKS.append((name, target, fn))
         return fn
 
     return register
 
 
-def run_checks(only: set[int] | None) -> list[tuple[str, str, str]]:
-    results = []
-    for i, (name, fn) in enumerate(CHECKS, start=1):
-        if only and i not in only:
-            continue
-        t0 = time.perf_counter()
-        try:
-            detail = fn() or ""
-            results.append((name, "PASS", f"{detail} ({time.perf_counter() - t0:.1f} s)"))
-        except Exception as e:  # report and go on: one failure must not hide the others
-            tb = traceback.format_exc(limit=4).strip().splitlines()[-6:]
-            results.append((name, "FAIL", f"{type(e).__name__}: {e} / {' / '.join(tb)}"))
-        print(f"[gpu_check] {name}: {results[-1][1]}", file=sys.stderr, flush=True)
-    return results
+def _cuda() -> bool:
+    return DEV.type == "cuda"
+
+
+def _need_cuda(what: str) -> None:
+    if not _cuda():
+        raise Unavailable(f"{what} needs CUDA (dry run on {DEV})")
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN payloads included)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def _all_same(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> bool:
+    return len(xs) == len(ys) and all(_same(x, y) for x, y in zip(xs, ys))
+
+
+def _section(markdown: str, title: str | None = None) -> None:
+    """Add ``markdown`` to the report under the running check: a level-3 ``title``, or its own
+    headings two levels down."""
+    body = [("##" + line if line.startswith("#") else line) for line in markdown.splitlines()]
+    head = [f"### {title}", ""] if title else []
+    SECTIONS.append("\n".join([*head, *body]).rstrip() + "\n")
+
+
+# ----------------------------------------------------------------------------------- models
 
 
 def _cfg(**kw):
@@ -62,6 +111,7 @@ def _cfg(**kw):
         "hidden_size": 256,
         "moe_ffn_hidden_size": 512,
         "num_moe_experts": 8,
+        "moe_router_topk": 2,
         "moe_expert_rank_capacity_factor": 2.0,
         "params_dtype": torch.bfloat16,
         "moe_paged_stash_kernel_backend": BACKEND,
@@ -71,228 +121,953 @@ def _cfg(**kw):
     return MoEConfig(**{**base, **kw})
 
 
-ROWS, DEV, BACKEND = 2048, torch.device("cuda"), "triton"
+def _has_overlap() -> bool:
+    from te_paged.stash import PagedStashManager
+
+    return "stream_overlap" in inspect.signature(PagedStashManager).parameters
+
+
+def _overlaps() -> list[bool | None]:
+    """The stream-overlap settings to test: both when the manager has the switch (off only on
+    CPU, which has no streams), else its default only (None)."""
+    if not _has_overlap():
+        return [None]
+    return [False, True] if _cuda() else [False]
+
+
+def _no_overlap() -> str:
+    """Why the overlap-on variant is not measured."""
+    return NO_OVERLAP if not _has_overlap() else f"stream overlap needs CUDA (dry run on {DEV})"
+
+
+def _overlap_label(overlap: bool | None) -> str:
+    return {None: "manager default", False: "overlap off", True: "overlap on"}[overlap]
+
+
+def _manager(cfg, overlap: bool | None = None):
+    """``cfg``'s manager on DEV; ``overlap`` True/False is passed as ``stream_overlap``."""
+    from te_paged.stash import PagedStashManager
+
+    kw = {} if overlap is None else {"stream_overlap": overlap}
+    try:
+        return PagedStashManager(
+            page_size=cfg.moe_paged_stash_page_size,
+            buffer_size_factor_cuda=cfg.moe_paged_stash_buffer_size_factor_cuda,
+            buffer_size_factor_cpu=cfg.moe_paged_stash_buffer_size_factor_cpu,
+            device=DEV,
+            kernel_backend=cfg.moe_paged_stash_kernel_backend,
+            **kw,
+        )
+    except TypeError as e:
+        if "stream_overlap" in str(e):
+            raise Unavailable(NO_OVERLAP) from e
+        raise
+
+
+ROWS, TOKENS = 2048, 512  # TEGroupedMLP's static rows; MoELayer's tokens (x top-2 x cf 2)
 ROUTING = [[300, 0, 120, 90, 200, 40, 160, 110], [10, 250, 130, 70, 180, 100, 90, 170]]
 
 
-def _build(cfg, layers=2, seed=0):
-    from te_paged.moe import TEGroupedMLP
-    from te_paged.stash import PagedStashManager
+class _Stack:
+    """``layers`` chained ``TEGroupedMLP``s (``kind="experts"``, fed permuted rows) or
+    ``MoELayer``s (``kind="layer"``, one rank), sharing one manager (None: paged stash OFF).
+    The same ``seed`` gives the same weights ON and OFF."""
 
-    torch.manual_seed(seed)
-    manager = PagedStashManager.from_config(cfg, DEV) if cfg.moe_paged_stash else None
-    return manager, [TEGroupedMLP(8, cfg, manager=manager, device=DEV) for _ in range(layers)]
+    def __init__(self, kind: str, cfg, layers: int = 2, seed: int = 0, overlap=None) -> None:
+        from te_paged.moe import MoELayer, TEGroupedMLP
+
+        self.kind = kind
+        self.manager = _manager(cfg, overlap) if cfg.moe_paged_stash else None
+        torch.manual_seed(seed)
+        if kind == "experts":
+            self.layers = [TEGroupedMLP(8, cfg, manager=self.manager, device=DEV)
+                           for _ in range(layers)]  # fmt: skip
+        else:
+            self.layers = [MoELayer(cfg, None, self.manager, device=DEV, seed=seed * 100 + i)
+                           for i in range(layers)]  # fmt: skip
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [q for layer in self.layers for q in layer.parameters()]
+
+    def forward(self, inputs) -> torch.Tensor:
+        h = inputs[0]
+        for layer in self.layers:
+            h, _ = layer(h, *inputs[1:])
+        return h
 
 
-def _inputs(step):
+def _inputs(kind: str, step: int) -> tuple[torch.Tensor, ...]:
     g = torch.Generator(device="cpu").manual_seed(step)
-    x = torch.randn(ROWS, 256, generator=g).to(DEV, torch.bfloat16).requires_grad_()
-    p = torch.rand(ROWS, generator=g).to(DEV).requires_grad_()
-    return x, torch.tensor(ROUTING[step % 2], device=DEV), p
+    if kind == "experts":
+        x = torch.randn(ROWS, 256, generator=g).to(DEV, torch.bfloat16).requires_grad_()
+        p = torch.rand(ROWS, generator=g).to(DEV).requires_grad_()
+        return x, torch.tensor(ROUTING[step % 2], device=DEV), p
+    return (torch.randn(TOKENS, 256, generator=g).to(DEV, torch.bfloat16).requires_grad_(),)
 
 
-def _step(manager, layers, step, inputs=None):
-    if manager is not None:
-        manager.reset()
-    x, tpe, p = inputs or _inputs(step)
-    h = x
-    for layer in layers:
-        h, _ = layer(h, tpe, p)
+def _grads(stack: _Stack) -> list[torch.Tensor]:
+    return [q.grad for q in stack.parameters() if q.grad is not None]
+
+
+def _step(stack: _Stack, step: int, inputs=None) -> list[torch.Tensor]:
+    """One step (``manager.reset()``, forward, backward): the output and every gradient."""
+    if stack.manager is not None:
+        stack.manager.reset()
+    inputs = inputs or _inputs(stack.kind, step)
+    h = stack.forward(inputs)
     h.float().square().sum().backward()
-    grads = [h.detach(), x.grad, p.grad]
-    for layer in layers:
-        grads += [q.grad.clone() for q in layer.parameters()]
+    leaves = [t for t in inputs if t.requires_grad]
+    out = [h.detach()] + [t.grad for t in leaves] + [g.clone() for g in _grads(stack)]
+    for t in leaves:
+        t.grad = None
+    for layer in stack.layers:
         layer.zero_grad(set_to_none=True)
-    return grads
+    return out
 
 
-@check("1. Triton kernels vs reference (compiled)")
-def kernels():
+def _clean_stash(stack: _Stack, what: str) -> None:
+    s = stack.manager.stats()
+    if s.overflow or s.invalid or not s.stashes == s.pops > 0:
+        raise AssertionError(f"{what}: stash not used cleanly: {s}")
+
+
+def _run_cases(cases: dict[str, Callable[[], str]]) -> str:
+    """Run every case; one failing does not stop the next. Raises with all outcomes if any
+    failed (Unavailable only if every case was)."""
+    done, failed, unavailable = [], [], []
+    for label, fn in cases.items():
+        try:
+            done.append(f"{label}: {fn()}")
+        except Unavailable as e:
+            unavailable.append(f"{label}: {e}")
+        except Exception as e:
+            failed.append(f"{label}: {type(e).__name__}: {e}")
+            traceback.print_exc()
+    if failed:
+        raise AssertionError("; ".join(failed + done + unavailable))
+    if unavailable and not done:
+        raise Unavailable("; ".join(unavailable))
+    return "; ".join(done + unavailable)
+
+
+# ----------------------------------------------------------------------------------- checks
+
+
+@check(
+    "Triton kernels vs the torch reference, compiled, every element type",
+    "every byte equal: outputs, pools, free lists, records, flags",
+)
+def kernels() -> str:
+    """The kernel unit tests compiled, then one stash and two pops per element type at model
+    sizes, both backends from the same state, compared byte for byte after every call."""
+    parts, errors = [], []
+    for label, fn in (("unit tests", _kernel_unit_tests), ("model sizes", _kernel_model_sizes)):
+        try:
+            parts.append(f"{label}: {fn()}")
+        except Exception as e:
+            errors.append(f"{label}: {type(e).__name__}: {e}")
+            traceback.print_exc()
+    if errors:
+        raise AssertionError("; ".join(errors + parts))
+    return "; ".join(parts)
+
+
+def _kernel_unit_tests() -> str:
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": ROOT}
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-x",
-            "-p",
-            "no:cacheprovider",
-            "tests/unit/kernels",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+           "tests/unit/kernels"]  # fmt: skip
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-300:]
     if out.returncode != 0:
         raise RuntimeError(out.stdout[-2000:] + out.stderr[-1000:])
     return last
 
 
-@check("2. ON vs OFF and fused vs unfused, bitwise, CUDA bf16")
-def parity():
-    cases = list(itertools.product([False, True], [None, "mxfp8"], [[], ["moe_act"]]))
-    for fuser, fp8, rc in cases:
+#: (label, element type, row width at model size, tokens per row) of check 1.
+_KERNEL_TYPES = [
+    ("bf16", torch.bfloat16, 7168, 1),
+    ("fp16", torch.float16, 4096, 1),
+    ("fp32", torch.float32, 2048, 1),
+    ("fp32 probs", torch.float32, 1, 1),
+    ("FP8 e4m3", torch.float8_e4m3fn, 7168, 1),
+    ("FP8 e5m2", torch.float8_e5m2, 7168, 1),
+    ("MXFP8 scales (e8m0, 1 row per 32 tokens)", torch.float8_e8m0fnu, 7168, 32),
+]
+
+
+def _random_bits(rows: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+    """Random bytes over the whole range of ``dtype``'s width (NaN payloads, infinities,
+    subnormals and -0 included), as ``dtype``."""
+    from te_paged.stash import storage_dtype
+
+    bits = storage_dtype(dtype)
+    width = torch.empty((), dtype=bits).element_size()
+    raw = torch.randint(0, 256, (rows, hidden * width), dtype=torch.uint8, device=DEV)
+    return raw.view(bits).view(dtype)
+
+
+def _kernel_model_sizes() -> str:
+    from te_paged.tools.free_lists import FreeList
+
+    tokens, page = (16384, 64) if _cuda() else (1024, 8)
+    torch.manual_seed(0)
+    kinds = [*FreeList, "host tier"]
+    for (label, dtype, hidden, per_row), kind in itertools.product(_KERNEL_TYPES, kinds):
+        hidden = hidden if _cuda() else min(hidden, 24)
+        _kernel_case(label, dtype, hidden, per_row, kind, tokens, page)
+    return (
+        f"{len(_KERNEL_TYPES) * len(kinds)} cases ({len(_KERNEL_TYPES)} element types x fresh, "
+        f"1F1B, alternating free lists and a host-tier spill; {tokens} tokens, 3/4 of them "
+        f"real, page {page}), every byte equal after each stash and pop"
+    )
+
+
+def _kernel_case(label, dtype, hidden, per_row, kind, tokens, page) -> None:
+    """Stash ``tokens * 3/4 + 5`` real tokens of ``tokens`` rows' worth of random bits from
+    the ``kind`` free list, pop (padding zeroed), stash and pop again (padding left), with the
+    reference and with Triton from the same state; compare everything after every call."""
+    from te_paged.kernels import (
+        FLAGS_LEN,
+        META_LEN,
+        STATE_LEN,
+        Flag,
+        Meta,
+        State,
+        Tier,
+        stash_copy,
+        stash_pop,
+    )
+    from te_paged.stash import storage_dtype
+    from te_paged.tools.free_lists import FreeList, prepare_free_list
+
+    rows = tokens // per_row
+    n = tokens * 3 // 4 + 5  # not a whole page: the last page is partly padding
+    used = -(-n // per_row)
+    need = -(-used // page)
+    host = kind == "host tier"
+    if host:  # one device page short: the whole tensor goes to the host tier
+        prepared = prepare_free_list(FreeList.FRESH, (need - 1) * page, page)
+    else:
+        prepared = prepare_free_list(kind, used, page)
+    case = f"{label} x{hidden}, {kind if host else kind.value}"
+    bits = storage_dtype(dtype)
+    host_pages = need + 1 if host else 0
+    state = torch.zeros(STATE_LEN, dtype=torch.int64, device=DEV)
+    state[State.HEAD], state[State.TAIL] = prepared.head, prepared.tail
+    state[State.HOST_TAIL] = host_pages
+    start = {
+        "dev_pool": torch.zeros(prepared.num_pages * page, hidden, dtype=bits, device=DEV),
+        "dev_free": torch.tensor(prepared.free_P, dtype=torch.int32, device=DEV),
+        "host_pool": torch.zeros(host_pages * page, hidden, dtype=bits, pin_memory=_cuda()),
+        "host_free": torch.arange(host_pages, dtype=torch.int32, device=DEV),
+        "state": state,
+        "flags": torch.zeros(FLAGS_LEN, dtype=torch.int64, device=DEV),
+        "rec_pages": torch.full((-(-rows // page),), -7, dtype=torch.int32, device=DEV),
+        "rec_meta": torch.full((META_LEN,), 5, dtype=torch.int64, device=DEV),
+    }
+    src = _random_bits(rows, hidden, dtype).view(bits)
+    garbage = _random_bits(rows, hidden, dtype).view(bits)
+    num = torch.tensor([n], device=DEV)
+
+    def run(backend: str) -> list[dict[str, torch.Tensor]]:
+        t = {k: v.clone().pin_memory() if v.is_pinned() else v.clone() for k, v in start.items()}
+        pool = [t[k] for k in ("dev_pool", "dev_free", "host_pool", "host_free", "state")]
+        rec = [t["flags"], t["rec_pages"], t["rec_meta"]]
+        snaps = []
+        for zero in (True, False):  # the second round reuses the pages the first returned
+            stash_copy(backend, src, num, per_row, page, *pool, *rec)
+            snaps.append({k: v.clone() for k, v in t.items()})
+            dst = garbage.clone()
+            stash_pop(backend, dst, page, *pool, *rec, zero)
+            snaps.append({"dst": dst, **{k: v.clone() for k, v in t.items()}})
+        return snaps
+
+    ref, got = run("torch"), run("triton")
+    tier = int(ref[0]["rec_meta"][Meta.TIER])
+    flags = ref[0]["flags"].tolist()
+    if tier != (Tier.HOST if host else Tier.DEVICE) or flags[Flag.OVERFLOW] or flags[Flag.INVALID]:
+        raise AssertionError(f"{case}: the reference stashed to tier {tier}, flags {flags}")
+    if not _same(ref[1]["dst"][:used], src[:used]):
+        raise AssertionError(f"{case}: the reference lost rows")
+    calls = ["stash", "pop (padding zeroed)", "stash again", "pop (padding left)"]
+    for call, a, b in zip(calls, ref, got):
+        bad = [k for k in a if not _same(a[k], b[k])]
+        if bad:
+            raise AssertionError(f"{case}, after {call}: Triton differs in {', '.join(bad)}")
+
+
+@check(
+    "ON vs OFF and fused vs unfused, bitwise, CUDA bf16 and MXFP8",
+    "every output and gradient bitwise equal; stashes = pops > 0, no overflow",
+)
+def parity() -> str:
+    """TEGroupedMLP over op-fuser x MXFP8 x recompute, and MoELayer (1 rank) in bf16 and MXFP8:
+    paged stash ON (each stream-overlap setting) vs OFF, and fused vs unfused, two steps."""
+    cases: dict[str, Callable[[], str]] = {}
+    for fuser, fp8, rc in itertools.product([False, True], [None, "mxfp8"], [[], ["moe_act"]]):
         kw = {"use_transformer_engine_op_fuser": fuser, "fp8": fp8, "recompute_modules": rc}
-        on_m, on = _build(_cfg(moe_paged_stash=True, **kw))
-        _, off = _build(_cfg(**kw))
-        _, other = _build(_cfg(**{**kw, "use_transformer_engine_op_fuser": not fuser}))
-        for step in range(2):
-            a, b, c = _step(on_m, on, step), _step(None, off, step), _step(None, other, step)
-            if not all(torch.equal(u, v) for u, v in zip(a, b)):
-                raise AssertionError(f"ON != OFF: fuser={fuser} fp8={fp8} rc={rc} step={step}")
-            if not all(torch.equal(u, v) for u, v in zip(b, c)):
-                raise AssertionError(f"fused != unfused: fp8={fp8} rc={rc} step={step}")
-            s = on_m.stats()
-            if s.overflow or not s.stashes == s.pops > 0:
-                raise AssertionError(f"stash not used cleanly: {s}")
-    return f"{len(cases)} configurations x 2 steps, every output and gradient bitwise equal"
+        cases[f"experts fuser={fuser} fp8={fp8} rc={rc}"] = functools.partial(
+            _parity, "experts", kw, None, other=True
+        )
+    for fp8, overlap in itertools.product([None, "mxfp8"], _overlaps()):
+        label = f"layer fp8={fp8}, {_overlap_label(overlap)}"
+        cases[label] = functools.partial(_parity, "layer", {"fp8": fp8}, overlap)
+    if _has_overlap():
+        cases["experts default, overlap off"] = functools.partial(_parity, "experts", {}, False)
+    detail = _run_cases(cases)
+    return f"{len(cases)} configurations x 2 steps, bitwise equal ({detail})"
 
 
-@check("3. no host sync in a captured ON step (set_sync_debug_mode='error')")
-def sync_free():
-    manager, layers = _build(_cfg(moe_paged_stash=True, fp8="mxfp8"))
-    _step(manager, layers, 0)
-    manager.reset()  # allocates the pools, outside the checked step
-    inputs = _inputs(1)
+def _parity(kind: str, kw: dict, overlap, other: bool = False) -> str:
+    on = _Stack(kind, _cfg(moe_paged_stash=True, **kw), overlap=overlap)
+    off = _Stack(kind, _cfg(**kw))
+    alt = None
+    if other:
+        flip = not kw.get("use_transformer_engine_op_fuser", False)
+        alt = _Stack(kind, _cfg(**{**kw, "use_transformer_engine_op_fuser": flip}))
+    for step in range(2):
+        a, b = _step(on, step), _step(off, step)
+        if not _all_same(a, b):
+            raise AssertionError(f"ON != OFF at step {step}")
+        if alt is not None and not _all_same(b, _step(alt, step)):
+            raise AssertionError(f"fused != unfused at step {step}")
+        _clean_stash(on, f"step {step}")
+    return "ok"
+
+
+@check(
+    "no host sync in the captured step (set_sync_debug_mode='error')",
+    "0 synchronising calls in forward + backward",
+)
+def sync_free() -> str:
+    """The captured step (pools allocated, kernels reading counts on the device) of two chained
+    TEGroupedMLPs and of two MoELayers (1 rank: router, dispatcher, experts, combine), bf16 and
+    MXFP8, each stream-overlap setting, under ``torch.cuda.set_sync_debug_mode("error")``."""
+    _need_cuda("set_sync_debug_mode")
+    cases = {}
+    for kind, fp8, overlap in itertools.product(["experts", "layer"], [None, "mxfp8"], _overlaps()):
+        label = f"{kind} fp8={fp8}, {_overlap_label(overlap)}"
+        cases[label] = functools.partial(_sync_free, kind, fp8, overlap)
+    return _run_cases(cases)
+
+
+def _sync_free(kind: str, fp8: str | None, overlap) -> str:
+    stack = _Stack(kind, _cfg(moe_paged_stash=True, fp8=fp8), overlap=overlap)
+    _step(stack, 0)  # the capture step reads counts on the host, by design
+    stack.manager.reset()  # allocates the pools, outside the checked step
+    inputs = _inputs(kind, 1)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        _step(manager, layers, 1, inputs)
+        _step(stack, 1, inputs)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    s = manager.stats()
-    assert s.stashes == s.pops > 0 and not s.overflow, s
-    return f"{s.stashes} stashes, {s.pops} pops, no synchronising call"
+    _clean_stash(stack, "checked step")
+    s = stack.manager.stats()
+    return f"{s.stashes} stashes, {s.pops} pops, no sync"
 
 
-@check("4. CUDA graph capture and replay of a captured ON step")
-def graph():
-    manager, layers = _build(_cfg(moe_paged_stash=True), layers=2)
-    _, ref = _build(_cfg(), layers=2)
-    x, tpe, p = _inputs(0)
-    static = [t.detach().clone() for t in (x, p)]
-    static_x, static_p = (t.requires_grad_() for t in static)
-    static_tpe = tpe.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # capture step, then one captured step, eagerly
+def _replay(kind: str, fp8: str | None, overlap) -> str:
+    """Capture one captured ON step (forward + backward) in a CUDA graph; replay it with new
+    data (and, for MoELayer, new routing) and compare with eager OFF, bitwise."""
+    on = _Stack(kind, _cfg(moe_paged_stash=True, fp8=fp8), overlap=overlap)
+    off = _Stack(kind, _cfg(fp8=fp8))
+    static = [t.detach().clone().requires_grad_(t.requires_grad) for t in _inputs(kind, 0)]
+
+    def load(step: int) -> None:
+        with torch.no_grad():
+            for s, t in zip(static, _inputs(kind, step)):
+                s.copy_(t)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # the capture step, then one captured step, eagerly
         for step in range(2):
-            _step(manager, layers, step, (static_x, static_tpe, static_p))
-            static_x.grad = static_p.grad = None
-    torch.cuda.current_stream().wait_stream(stream)
-    manager.reset()
+            load(step)
+            _step(on, step, static)
+    torch.cuda.current_stream().wait_stream(side)
+    on.manager.reset()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        h = static_x
-        for layer in layers:
-            h, _ = layer(h, static_tpe, static_p)
+        h = on.forward(static)
         h.float().square().sum().backward()
-    for step in (1, 0, 1):  # new data each replay, copied into the static inputs
-        xs, tpes, ps = _inputs(step)
-        static_x.data.copy_(xs.detach())
-        static_p.data.copy_(ps.detach())
-        static_tpe.copy_(tpes)
-        manager.reset()
+    replays = (1, 0, 1, 2)
+    for step in replays:
+        load(step)
+        on.manager.reset()
         graph.replay()
         torch.cuda.synchronize()
-        got = [h.detach(), static_x.grad, static_p.grad] + [
-            q.grad for layer in layers for q in layer.parameters()
-        ]
-        want = _step(None, ref, step)
-        if not all(torch.equal(u, v) for u, v in zip(got, want)):
+        got = [h.detach()] + [t.grad for t in static if t.requires_grad] + _grads(on)
+        if not _all_same(got, _step(off, step)):
             raise AssertionError(f"replay with step {step}'s data differs from eager OFF")
-        assert not manager.stats().overflow
-    return "3 replays with new data and routing, bitwise equal to eager OFF"
+        s = on.manager.stats()
+        if s.overflow or s.invalid:
+            raise AssertionError(f"replay with step {step}'s data: {s}")
+    return f"{len(replays)} replays bitwise equal to eager OFF"
 
 
-@check("5. stash+pop bandwidth vs a device-to-device copy")
-def bandwidth():
+@check(
+    "CUDA graph capture and replay of TEGroupedMLP's captured step",
+    "every replay bitwise equal to eager",
+)
+def graph_experts() -> str:
+    """Two chained TEGroupedMLPs, bf16 and MXFP8, each stream-overlap setting."""
+    _need_cuda("CUDA graphs")
+    return _run_cases({
+        f"fp8={fp8}, {_overlap_label(overlap)}": functools.partial(
+            _replay, "experts", fp8, overlap
+        )
+        for fp8, overlap in itertools.product([None, "mxfp8"], _overlaps())
+    })  # fmt: skip
+
+
+@check(
+    "CUDA graph capture and replay of MoELayer's captured step (1 rank)",
+    "every replay bitwise equal to eager",
+)
+def graph_layer() -> str:
+    """Two chained MoELayers (router, dispatcher, experts, combine), bf16, each overlap
+    setting; each replay routes new data."""
+    _need_cuda("CUDA graphs")
+    return _run_cases({
+        _overlap_label(overlap): functools.partial(_replay, "layer", None, overlap)
+        for overlap in _overlaps()
+    })  # fmt: skip
+
+
+#: Check 6's targets: worst ratio of medians (copy / stash+pop) per free list, hidden >= 2048.
+BANDWIDTH_TARGETS = {"fresh": 0.85, "1F1B": 0.75, "alternating": 0.75}
+
+
+@check(
+    "stash+pop bandwidth vs a device-to-device copy (bf16, hidden 2048-7168, 16k-64k tokens)",
+    "worst copy/stash ratio of medians at hidden >= 2048: >= 0.85 fresh, "
+    ">= 0.75 fragmented (1F1B, alternating)",
+)
+def bandwidth() -> str:
+    """``te_paged.tools.bench.stash_report``: the stash's backend moving the real rows into the
+    pool and back vs two plain copies of the same bytes, from each free list; the worst ratio
+    per free list over the grid."""
     from te_paged.tools.bench import stash_report
 
-    sizes = ([2048, 7168], [16384, 65536]) if DEV.type == "cuda" else ([256], [1024])
-    report = stash_report(
-        *sizes,
-        repeats=20,
-        device=DEV.type,
-        backend=BACKEND,
-        command="scripts/gpu_check.sh",
-    )
+    if _cuda():
+        hidden, tokens, min_hidden = [2048, 4096, 7168], [16384, 32768, 65536], 2048
+    else:
+        hidden, tokens, min_hidden = [256, 512], [1024], 256
+    report = stash_report(hidden, tokens, repeats=5 if DRY else 20, device=DEV.type,
+                          backend=BACKEND, command="scripts/gpu_check.sh")  # fmt: skip
     print(report)
-    throughput = report.split("## Cost of zeroing")[0]  # the first table: no padding rows
-    rows = [line for line in throughput.splitlines() if line.startswith("| ") and line[2].isdigit()]
-    ratios = [
-        f"{r.split('|')[1].strip()}x{r.split('|')[2].strip()}: {r.split('|')[-2].strip()}"
-        for r in rows
+    _section(report)
+    throughput = report.split("## Cost of zeroing")[0]  # the throughput tables: no padding rows
+    rows = [line for line in throughput.splitlines() if line.startswith("| ")]
+    worst: dict[str, tuple[float, float, str]] = {}
+    for row in rows:  # hidden | tokens | MB | free list | runs | ... | ratio of medians | of mins
+        cells = [c.strip() for c in row.split("|")[1:-1]]
+        if not cells[0].isdigit() or int(cells[0]) < min_hidden:  # headers, the summary table
+            continue
+        med, fast = float(cells[-2]), float(cells[-1])
+        if cells[3] not in worst or med < worst[cells[3]][0]:
+            worst[cells[3]] = (med, fast, f"{cells[0]}x{cells[1]}")
+    missing = sorted(set(BANDWIDTH_TARGETS) - set(worst))
+    if missing:
+        raise AssertionError(f"no throughput rows for free lists {missing} in the report")
+    parts, missed = [], False
+    for kind, target in BANDWIDTH_TARGETS.items():
+        med, fast, at = worst[kind]
+        ok = med >= target
+        missed |= not ok
+        parts.append(f"{kind}: worst {med:.2f} (of mins {fast:.2f}) at {at}, target >= "
+                     f"{target:.2f} {'met' if ok else 'MISSED'}")  # fmt: skip
+    detail = (f"{BACKEND} backend, copy/stash ratio of medians, hidden >= {min_hidden}: "
+              + "; ".join(parts))  # fmt: skip
+    if missed:
+        raise TargetMissed(detail)
+    return detail
+
+
+# ------------------------------------------------------------------- DeepSeek-like layers
+
+
+def _ds_sizes() -> dict[str, int]:
+    """Checks 7 and 8: hidden 7168, ffn 2048, 8 local experts, top-8, bf16 (toy in a dry run)."""
+    if DRY:
+        return {"hidden": 256, "ffn": 512, "experts": 8, "topk": 8, "tokens": 128, "layers": 4}
+    return {"hidden": 7168, "ffn": 2048, "experts": 8, "topk": 8, "tokens": STEP_TOKENS,
+            "layers": 8}  # fmt: skip
+
+
+DS_CAPACITY, DS_BUFFER = 2.0, 1.10
+
+
+class _Residual(torch.nn.Module):
+    """``h ← h + MoELayer(h)`` per layer (1 rank), loss ``mean(h²)``: the model of checks 7, 8."""
+
+    def __init__(self, cfg, layers: int, manager) -> None:
+        from te_paged.moe import MoELayer
+
+        super().__init__()
+        self.manager = manager
+        self.layers = torch.nn.ModuleList(
+            MoELayer(cfg, None, manager, device=DEV, layer_number=i + 1) for i in range(layers)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for layer in self.layers:
+            y, _ = layer(h)
+            h = h + y
+        return h.float().square().mean()
+
+
+def _ds_variants() -> dict[str, bool | None]:
+    """Label → stream overlap of the models compared (OFF first; None: the manager default)."""
+    return {"OFF": None, **{f"ON, {_overlap_label(o)}": o for o in _overlaps()}}
+
+
+def _ds_models() -> dict[str, _Residual]:
+    """One model per variant, all with the OFF model's weights."""
+    from te_paged.config import MoEConfig
+
+    sizes = _ds_sizes()
+    models: dict[str, _Residual] = {}
+    for label, overlap in _ds_variants().items():
+        paged = label != "OFF"
+        cfg = MoEConfig(
+            hidden_size=sizes["hidden"],
+            moe_ffn_hidden_size=sizes["ffn"],
+            num_moe_experts=sizes["experts"],
+            moe_router_topk=sizes["topk"],
+            moe_expert_rank_capacity_factor=DS_CAPACITY,
+            moe_paged_stash=paged,
+            moe_paged_stash_buffer_size_factor_cuda=DS_BUFFER,
+            params_dtype=torch.bfloat16,
+            moe_paged_stash_kernel_backend=BACKEND,
+        )
+        torch.manual_seed(0)
+        model = _Residual(cfg, sizes["layers"], _manager(cfg, overlap) if paged else None)
+        if models:
+            model.load_state_dict(models["OFF"].state_dict())
+        models[label] = model
+    return models
+
+
+def _ds_batch(step: int) -> torch.Tensor:
+    sizes = _ds_sizes()
+    g = torch.Generator(device="cpu").manual_seed(step)
+    return torch.randn(sizes["tokens"], sizes["hidden"], generator=g).to(DEV, torch.bfloat16)
+
+
+def _ds_step(model: _Residual, x: torch.Tensor) -> torch.Tensor:
+    """One training step without optimizer; gradients stay allocated (not part of a peak)."""
+    if model.manager is not None:
+        model.manager.reset()
+    model.zero_grad(set_to_none=False)
+    loss = model(x)
+    loss.backward()
+    return loss.detach()
+
+
+def _ds_describe() -> str:
+    s = _ds_sizes()
+    return (f"{s['layers']} residual MoELayers (1 rank), hidden {s['hidden']}, ffn {s['ffn']}, "
+            f"{s['experts']} local experts, top-{s['topk']}, bf16, {s['tokens']} tokens "
+            f"({s['tokens'] * s['topk']} expert rows) a step, capacity factor {DS_CAPACITY}, "
+            f"pool factor {DS_BUFFER}, {BACKEND} stash kernels")  # fmt: skip
+
+
+def _timed(fn: Callable[[], object]) -> tuple[float, float]:
+    """Seconds of one call: (CUDA events on the current stream, wall clock between device
+    synchronisations); on CPU both are the wall clock."""
+    if not _cuda():
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0,) * 2
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()  # every stream: side-stream work left over counts in the wall
+    return start.elapsed_time(end) / 1e3, time.perf_counter() - t0
+
+
+STEP_TIME_TARGET = 1.02
+
+
+@check(
+    "step time ON/OFF with and without stream overlap, DeepSeek-like expert layers",
+    f"ON/OFF median <= {STEP_TIME_TARGET} with stream overlap",
+)
+def step_time() -> str:
+    """Median step time (forward + backward + the manager's reset) of each variant, the rounds
+    interleaved; the capture step and warm-up steps (the pool allocation among them) are not
+    timed. CUDA events on the compute stream, and the wall clock between device syncs."""
+    warmup, repeats = (1, 3) if DRY else (3, 15)
+    models = _ds_models()
+    x = _ds_batch(0)
+    fns = {label: functools.partial(_ds_step, m, x) for label, m in models.items()}
+    for _ in range(1 + warmup):  # the capture step, then warm-up (the first reset allocates)
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[tuple[float, float]]] = {label: [] for label in fns}
+    for _ in range(repeats):  # interleaved: drift in clocks or load hits every variant alike
+        for label, fn in fns.items():
+            times[label].append(_timed(fn))
+    losses = {label: fn() for label, fn in fns.items()}
+    for label, model in models.items():
+        if model.manager is not None:
+            s = model.manager.stats()
+            if s.overflow or s.invalid or not s.stashes == s.pops > 0:
+                raise AssertionError(f"{label}: stash not used cleanly: {s}")
+    equal = all(_same(loss, losses["OFF"]) for loss in losses.values())
+    med = {k: statistics.median(e for e, _ in v) for k, v in times.items()}
+    fast = {k: min(e for e, _ in v) for k, v in times.items()}
+    wall = {k: statistics.median(w for _, w in v) for k, v in times.items()}
+    table = [
+        f"{_ds_describe()}; {repeats} timed steps per variant after {warmup} warm-up steps and "
+        "the capture step, interleaved.",
+        "",
+        "| variant | events ms median | min | wall ms median | ON/OFF (events median) "
+        "| ON/OFF (min) | ON/OFF (wall) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    return "copy/stash (hidden x tokens): " + ", ".join(ratios)
+    for k in times:
+        table.append(
+            f"| {k} | {1e3 * med[k]:.2f} | {1e3 * fast[k]:.2f} | {1e3 * wall[k]:.2f} "
+            f"| {med[k] / med['OFF']:.3f} | {fast[k] / fast['OFF']:.3f} "
+            f"| {wall[k] / wall['OFF']:.3f} |"
+        )
+    text = "\n".join(table)
+    print(text)
+    _section(text)
+    ratios = ", ".join(f"{k} {med[k] / med['OFF']:.3f}" for k in times if k != "OFF")
+    detail = (f"OFF {1e3 * med['OFF']:.2f} ms; ON/OFF median: {ratios}; losses ON/OFF "
+              f"{'bitwise equal' if equal else 'DIFFER'}")  # fmt: skip
+    if not equal:
+        raise AssertionError(detail)
+    if "ON, overlap on" not in med:
+        raise Unavailable(f"{_no_overlap()}: the target is not evaluated; {detail}")
+    ratio = med["ON, overlap on"] / med["OFF"]
+    verdict = f"overlap on {ratio:.3f}, target <= {STEP_TIME_TARGET}"
+    if ratio > STEP_TIME_TARGET:
+        raise TargetMissed(f"{detail}; MISSED: {verdict}")
+    return f"{detail}; met: {verdict}"
 
 
-@check("6. te-paged ab --device cuda (allocator peaks), default and op-fuser + recompute paths")
-def ab():
-    """Bitwise ON/OFF (the exit status) and a real saving on two expert-MLP paths: a path that
-    pins what it stashed measures a negative saving (the CPU suite caught two such leaks)."""
+MEMORY_TARGET = 0.95
+
+
+def _peak(fn: Callable[[], object]) -> int:
+    """Peak bytes ``fn`` allocates above what was allocated before it: the CUDA caching
+    allocator's ``max_memory_allocated`` after ``reset_peak_memory_stats`` (on CPU, torch's
+    MemTracker through ``te_paged.runtime.memory``)."""
+    if not _cuda():
+        from te_paged.runtime.memory import measure_peak
+
+        return measure_peak(fn, DEV)[1].peak_bytes
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+@check(
+    "peak allocated memory ON vs OFF (CUDA allocator) vs the capacity model",
+    f"saving >= {MEMORY_TARGET} of the reload-adjusted model (cf - bf - R cf/L) x S",
+)
+def memory() -> str:
+    """Peak memory of one step after the capture step, per variant; ON adds its pool (allocated
+    at the step boundary, before the measurement). S: the balanced-case bytes of the paged
+    tensors; the model less the reloads live at the peak (R layers: 1, or 1 + the look-ahead
+    with stream overlap), as ``te-paged ab`` reports it."""
+    from te_paged.runtime.memory import capacity_model_saving, reload_adjusted_saving
+    from te_paged.tools.ab import pool_and_s_bytes, reload_layers
+
+    layers = _ds_sizes()["layers"]
+    models = _ds_models()
+    x0, x1 = _ds_batch(0), _ds_batch(1)
+    figures: dict[str, tuple[int, int, int]] = {}  # label -> (peak incl. pool, pool, S)
+    reloads: dict[str, int] = {}  # label -> R
+    for label, model in models.items():
+        _ds_step(model, x0)  # the capture step; allocates the gradients
+        managers = [] if model.manager is None else [model.manager]
+        for m in managers:
+            m.reset()  # allocates the pools: outside the measurement, added below
+        peak = _peak(functools.partial(_ds_step, model, x1))
+        for m in managers:
+            s = m.stats()
+            if s.overflow or s.invalid or not s.stashes == s.pops > 0:
+                raise AssertionError(f"{label}: stash not used cleanly: {s}")
+        pool, s_bytes = pool_and_s_bytes(managers)
+        figures[label] = (peak + pool, pool, s_bytes)
+        reloads[label] = max((reload_layers(m) for m in managers), default=1)
+    mib = 2**20
+    off = figures["OFF"][0]
+    table = [
+        f"{_ds_describe()}; peak of the step after the capture step, "
+        f"{'CUDA caching allocator max_memory_allocated' if _cuda() else 'torch MemTracker'}.",
+        "",
+        "| variant | peak (incl. pool) MiB | pool MiB | S MiB | saving MiB | (cf − bf) × S MiB "
+        "| saving / that | (cf − bf − R·cf/L) × S MiB | saving / that |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"| OFF | {off / mib:.1f} | – | – | – | – | – | – | – |",
+    ]
+    ratios = {}
+    for label, (peak, pool, s_bytes) in figures.items():
+        if label == "OFF":
+            continue
+        saving = off - peak
+        predicted = capacity_model_saving(DS_CAPACITY, DS_BUFFER, s_bytes)
+        adjusted = reload_adjusted_saving(DS_CAPACITY, DS_BUFFER, s_bytes, layers, reloads[label])
+        ratios[label] = saving / adjusted if adjusted > 0 else float("nan")
+        table.append(
+            f"| {label} | {peak / mib:.1f} | {pool / mib:.1f} | {s_bytes / mib:.1f} "
+            f"| {saving / mib:.1f} | {predicted / mib:.1f} | {saving / predicted:.3f} "
+            f"| {adjusted / mib:.1f} (L {layers}, R {reloads[label]}) | {ratios[label]:.3f} |"
+        )
+    text = "\n".join(table)
+    print(text)
+    _section(text)
+    target_label = list(figures)[-1]  # overlap on, else the manager's default
+    parts = [f"{k}: saving {(off - figures[k][0]) / mib:.1f} MiB = {r:.3f} of the model"
+             for k, r in ratios.items()]  # fmt: skip
+    detail = f"OFF peak {off / mib:.1f} MiB; " + "; ".join(parts)
+    ratio = ratios[target_label]
+    verdict = f"{target_label} {ratio:.3f}, target >= {MEMORY_TARGET}"
+    if not ratio >= MEMORY_TARGET:
+        raise TargetMissed(f"{detail}; MISSED: {verdict}")
+    return f"{detail}; met: {verdict}"
+
+
+@check(
+    "te-paged ab --device cuda, one rank (default, and op-fuser + recompute)",
+    f"ON/OFF bitwise (exit status 0); saving >= {MEMORY_TARGET} of the reload-adjusted model",
+)
+def ab() -> str:
+    """The CLI end to end on one rank; a path that pins what it stashed shows as a negative
+    saving (the CPU suite caught two such leaks)."""
     env = {**os.environ, "PYTHONPATH": ROOT, "TRITON_INTERPRET": "0"}
-    tokens = "4096" if DEV.type == "cuda" else "256"
-    details = []
+    tokens = "4096" if _cuda() else "256"
+    details, missed = [], False
     for extra in ([], ["--op-fuser", "--recompute"]):
+        label = " ".join(extra) or "default"
         with tempfile.TemporaryDirectory() as tmp:
             js = os.path.join(tmp, "ab.json")
             cmd = [sys.executable, "-m", "te_paged", "ab", "--device", DEV.type, "--nproc", "1"]
             cmd += ["--tokens", tokens, "--json", js, *extra]
             out = subprocess.run(
-                cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+                cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240
             )
             print(out.stdout)
+            shown = " ".join(["te-paged", *cmd[3:]]).replace(js, "ab.json")
+            _section(f"`{shown}`\n\n{out.stdout}", f"te-paged ab, {label}")
             if out.returncode != 0:
-                raise RuntimeError(out.stdout[-1500:] + out.stderr[-1500:])
+                raise RuntimeError(f"{label}: " + out.stdout[-1500:] + out.stderr[-1500:])
             with open(js) as f:
                 m = json.load(f)["memory"]
         ratio = m["measured_over_reload_adjusted"]
-        label = " ".join(extra) or "default"
+        ok = ratio is not None and ratio >= MEMORY_TARGET
+        missed |= not ok
+        share = "n/a" if ratio is None else f"{100 * ratio:.1f} %"
         details.append(
-            f"{label}: saving {m['saving_bytes'] / 2**20:.2f} MiB = {100 * ratio:.1f} % of "
-            f"(cf - bf - cf/L) x S, {100 * m['measured_over_predicted']:.1f} % of (cf - bf) x S"
+            f"{label}: bitwise equal, saving {m['saving_bytes'] / 2**20:.2f} MiB = {share} of "
+            f"(cf - bf - cf/L) x S ({'met' if ok else 'MISSED'})"
         )
-        if not ratio >= 0.8:
-            raise RuntimeError(f"{label}: saving {ratio:.2f} of the reload-adjusted model")
+    if missed:
+        raise TargetMissed("; ".join(details))
     return "; ".join(details)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", help="also write the report here")
-    p.add_argument("--only", type=int, nargs="+", help="run only these check numbers")
-    p.add_argument(
-        "--cpu-dry-run",
-        action="store_true",
-        help="run on CPU with the torch backend (to test this script without a GPU)",
+# ----------------------------------------------------------------------------------- runner
+
+
+def run_check(index: int) -> dict:
+    """Run check ``index`` (1-based) here; its result as a dict."""
+    name, _, fn = CHECKS[index - 1]
+    SECTIONS.clear()
+    t0 = time.perf_counter()
+    try:
+        status, detail = "PASS", fn() or ""
+    except TargetMissed as e:
+        status, detail = "MISS", str(e)
+    except Unavailable as e:
+        status, detail = "N/A", str(e)
+    except Exception as e:  # report and go on: one failure must not hide the others
+        traceback.print_exc()
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        where = f" (at {os.path.relpath(frame.filename, ROOT)}:{frame.lineno})"
+        status = "FAIL"
+        detail = f"{type(e).__name__}: {e}{'' if isinstance(e, AssertionError) else where}"
+    seconds = time.perf_counter() - t0
+    return {"index": index, "name": name, "status": status, "detail": detail,
+            "seconds": seconds, "sections": list(SECTIONS)}  # fmt: skip
+
+
+def _in_child(index: int, timeout: float, args: argparse.Namespace) -> dict:
+    """Run check ``index`` in a fresh process (a CUDA error there cannot reach the next)."""
+    name = CHECKS[index - 1][0]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "result.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", str(index), "--result", path,
+               "--step-tokens", str(args.step_tokens)]  # fmt: skip
+        if args.cpu_dry_run:
+            cmd.append("--cpu-dry-run")
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"index": index, "name": name, "status": "FAIL", "sections": [],
+                    "seconds": time.perf_counter() - t0,
+                    "detail": f"killed after {timeout:.0f} s: the time budget ran out"}  # fmt: skip
+        if os.path.exists(path):
+            with open(path) as f:
+                return json.load(f)
+        return {"index": index, "name": name, "status": "FAIL", "sections": [],
+                "seconds": time.perf_counter() - t0,
+                "detail": f"its process exited with status {proc.returncode} before reporting "
+                          "(a crash: see the log)"}  # fmt: skip
+
+
+def _run(cmd: list[str]) -> str:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=20)
+        if out.returncode == 0:
+            return out.stdout.strip()
+    return ""
+
+
+@functools.cache
+def machine() -> list[str]:
+    """The machine, as report lines."""
+    lines = []
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        lines.append(
+            f"- GPU: {p.name}, {p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs, "
+            f"compute capability {p.major}.{p.minor} ({torch.cuda.device_count()} visible)"
+        )
+    else:
+        lines.append("- GPU: none (CPU dry run)")
+    smi = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+    driver = smi.splitlines()[0] if smi else "n/a (no nvidia-smi)"
+    lines.append(f"- driver {driver}, CUDA runtime {torch.version.cuda or 'n/a'} (torch's)")
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    from te_paged import __version__
+
+    lines.append(
+        f"- torch {torch.__version__}, triton {triton_version}, te_paged {__version__}, "
+        f"Python {sys.version.split()[0]}"
     )
-    args = p.parse_args()
-    if args.cpu_dry_run:
-        global DEV, BACKEND
-        DEV, BACKEND = torch.device("cpu"), "torch"
-    results = run_checks(set(args.only) if args.only else None)
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU (dry run)"
+    lines.append(f"- host: {platform.platform()}, {os.cpu_count()} CPUs")
+    commit = _run(["git", "rev-parse", "HEAD"])
+    dirty = " (with uncommitted changes)" if _run(["git", "status", "--porcelain"]) else ""
+    lines.append(f"- commit: {commit or 'n/a'}{dirty}")
+    return lines
+
+
+def report(results: list[dict], args: argparse.Namespace, seconds: float) -> str:
     head = [
         f"# GPU check ({time.strftime('%Y-%m-%d')})",
         "",
-        f"{name}, torch {torch.__version__}, "
-        f"triton {__import__('triton').__version__}, Python {sys.version.split()[0]}",
+        f"Command: `{args.command}`  ",
+        f"Wall time: {seconds:.0f} s (budget {args.budget_s:.0f} s). Results: PASS target met, "
+        "MISS ran but a figure missed its target, FAIL error, N/A not run here (says why).",
         "",
-        "| check | result | detail |",
-        "| --- | --- | --- |",
+        *machine(),
+        "",
+        "| # | check | target | result | figures | s |",
+        "| ---: | --- | --- | --- | --- | ---: |",
     ]
-    body = [f"| {n} | {r} | {d.replace('|', '/')} |" for n, r, d in results]
-    report = "\n".join(head + body) + "\n"
-    print(report)
+    for r in results:
+        target = CHECKS[r["index"] - 1][1]
+        detail = " ".join(r["detail"].replace("|", "/").split())
+        head.append(f"| {r['index']} | {r['name']} | {target} | {r['status']} | {detail} "
+                    f"| {r['seconds']:.0f} |")  # fmt: skip
+    body = []
+    for r in results:
+        if r["sections"]:
+            body += ["", f"## {r['index']}. {r['name']}", "", *r["sections"]]
+    return "\n".join(head + body) + "\n"
+
+
+def _configure(args: argparse.Namespace) -> None:
+    global DEV, BACKEND, DRY, STEP_TOKENS
+    STEP_TOKENS = args.step_tokens
+    if args.cpu_dry_run:
+        DEV, BACKEND, DRY = torch.device("cpu"), "torch", True
+        # Check 1 compares the reference with the Triton kernels; on CPU only interpreted.
+        # Read when te_paged's Triton kernels are first imported, i.e. after this.
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", help="write the report here (rewritten after each check)")
+    p.add_argument("--only", type=int, nargs="+", help="run only these check numbers")
+    p.add_argument("--budget-s", type=float, default=450.0,
+                   help="checks not started by then are N/A (default 450)")  # fmt: skip
+    p.add_argument("--step-tokens", type=int, default=STEP_TOKENS,
+                   help=f"tokens per step of checks 7 and 8 (default {STEP_TOKENS})")  # fmt: skip
+    p.add_argument("--command", help="the command line the report names")
+    p.add_argument("--in-process", action="store_true", help="run every check in this process")
+    p.add_argument(
+        "--cpu-dry-run",
+        action="store_true",
+        help="run on CPU at toy sizes with the torch backend (to test this script without a GPU)",
+    )
+    p.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    _configure(args)
+    if args.child:
+        result = run_check(args.child)
+        with open(args.result, "w") as f:
+            json.dump(result, f)
+        return 0
+    args.command = args.command or " ".join(["python", *sys.argv])
     if args.out:
-        with contextlib.suppress(OSError), open(args.out, "w") as f:
-            f.write(report)
-    return 0 if all(r == "PASS" for _, r, _ in results) else 1
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    start = time.monotonic()
+    results = []
+    for index, (name, _, _) in enumerate(CHECKS, start=1):
+        if args.only and index not in args.only:
+            continue
+        left = args.budget_s - (time.monotonic() - start)
+        print(f"[gpu_check] {index}. {name} ...", file=sys.stderr, flush=True)
+        if left < 15:
+            result = {"index": index, "name": name, "status": "N/A", "seconds": 0.0,
+                      "sections": [], "detail": f"not run: the {args.budget_s:.0f} s budget "
+                                                "was spent"}  # fmt: skip
+        elif args.in_process:
+            result = run_check(index)
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        else:
+            result = _in_child(index, left, args)
+        results.append(result)
+        print(f"[gpu_check] {index}. {name}: {result['status']} {result['detail']} "
+              f"({result['seconds']:.0f} s)", file=sys.stderr, flush=True)  # fmt: skip
+        if args.out:
+            text = report(results, args, time.monotonic() - start)
+            with contextlib.suppress(OSError), open(args.out, "w") as f:
+                f.write(text)
+    text = report(results, args, time.monotonic() - start)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+        print(f"[gpu_check] report written to {args.out}", file=sys.stderr)
+    ok = {"PASS", "N/A"} if args.cpu_dry_run else {"PASS"}
+    return 0 if all(r["status"] in ok for r in results) else 1
 
 
 if __name__ == "__main__":

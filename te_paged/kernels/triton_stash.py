@@ -91,8 +91,10 @@ def _alloc_kernel(
     tl.store(rec_meta_ptr + _ROWS, stored_rows)
     tl.store(rec_meta_ptr + _TIER, tier)
     tl.store(rec_meta_ptr + _POPPED, tier * 0)
-    tl.store(flags_ptr + _OVERFLOW, tl.load(flags_ptr + _OVERFLOW) + overflow.to(tl.int64))
-    tl.store(flags_ptr + _HOST_SPILL, tl.load(flags_ptr + _HOST_SPILL) + to_host.to(tl.int64))
+    # Stored only when counted: with stream overlap this runs on the pack stream, and the flags
+    # are one tensor that other streams update too.
+    tl.store(flags_ptr + _OVERFLOW, tl.load(flags_ptr + _OVERFLOW) + 1, mask=overflow)
+    tl.store(flags_ptr + _HOST_SPILL, tl.load(flags_ptr + _HOST_SPILL) + 1, mask=to_host)
     tl.store(state_ptr + _ROWS_STASHED, tl.load(state_ptr + _ROWS_STASHED) + stored_rows)
 
     # Record pages: queue slots head .. head+need-1 of the chosen tier's free list.
@@ -188,7 +190,10 @@ def _free_kernel(
     popped = tl.load(rec_meta_ptr + _POPPED) != 0  # a second pop: free nothing, count it
     need = tl.where(active & ~popped, need, 0)
     stored = (tier == _DEVICE) | (tier == _HOST)
-    tl.store(flags_ptr + _INVALID, tl.load(flags_ptr + _INVALID) + popped.to(tl.int64))
+    # Only a second pop writes the flag: the compute stream adds to it too (the experts'
+    # count checks), and an unconditional read-modify-write from the unpack stream could undo
+    # its update.
+    tl.store(flags_ptr + _INVALID, tl.load(flags_ptr + _INVALID) + 1, mask=popped)
     tl.store(rec_meta_ptr + _POPPED, (popped | (active & stored)).to(tl.int64))
     n_dev = tl.where(tier == _DEVICE, need, 0)
     n_host = tl.where(tier == _HOST, need, 0)

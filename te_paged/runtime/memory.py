@@ -118,13 +118,20 @@ def capacity_model_saving(capacity_factor: float, buffer_factor: float, s_bytes:
 
 
 def reload_adjusted_saving(
-    capacity_factor: float, buffer_factor: float, s_bytes: float, layers: int
+    capacity_factor: float,
+    buffer_factor: float,
+    s_bytes: float,
+    layers: int,
+    reload_layers: int = 1,
 ) -> float:
-    """The capacity model less one layer's reload: ``(cf − bf − cf / L) × S``.
+    """The capacity model less the reloads live at the peak: ``(cf − bf − R · cf / L) × S``.
 
     Backward pops a layer's tensors into static-size buffers (``cf × S / L``) while the pool
-    still holds the layers not yet reached, so at the peak one layer's worth is held twice.
-    Example: 8 layers, cf 2.0, bf 1.1 → 0.65 S instead of 0.9 S; 4 layers, cf 1.5 → 0.025 S,
-    almost nothing — fewer, larger layers leave paging less to gain.
+    still holds the layers not yet reached, so at the peak one layer's worth is held twice;
+    ``reload_layers`` ``R`` is 1, or ``1 + reload_lookahead`` when a manager with stream
+    overlap prefetches earlier layers. Example: 8 layers, cf 2.0, bf 1.1 → 0.65 S instead of
+    0.9 S; 4 layers, cf 1.5 → 0.025 S, almost nothing — fewer, larger layers leave paging less
+    to gain.
     """
-    return (capacity_factor - buffer_factor - capacity_factor / layers) * s_bytes
+    live = reload_layers * capacity_factor / layers
+    return (capacity_factor - buffer_factor - live) * s_bytes

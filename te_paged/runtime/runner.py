@@ -248,6 +248,7 @@ class PagedStashRunner:
         overflow = spill = invalid = zero
         hwm: dict[str, torch.Tensor] = {}
         for manager in self.managers:
+            manager.join_side_streams()  # the flags and pool states are the side streams' too
             overflow = overflow + (manager.flags[Flag.OVERFLOW] > 0).long()
             spill = spill + (manager.flags[Flag.HOST_SPILL] > 0).long()
             invalid = invalid + (manager.flags[Flag.INVALID] > 0).long()

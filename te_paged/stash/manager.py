@@ -19,6 +19,11 @@ Lifecycle (one manager per model, shared by all its MoE layers; never a process-
   whole pages) (and a host tier with the CPU factor);
   stash and pop then run the kernels, which read counts on the device.
 
+On CUDA (``stream_overlap``, the default there) stash copies run on a pack stream and reloads
+on an unpack stream, ordered by events only (:mod:`te_paged.stash.streams`); a backward
+reload prefetches the ``reload_lookahead`` scopes opened before its own (the previous layers of
+the same forward pass).
+
 The manager lives on one device (default: the current accelerator, i.e. CUDA's current device
 when CUDA is available, else the CPU); a scope's ``num_tokens`` and every tensor it pages must
 be on it (``ValueError`` otherwise, naming both devices). Pool (re)allocation is logged at INFO
@@ -55,6 +60,7 @@ from te_paged.markers import (
     is_checkpoint_without_output_tensor,
 )
 from te_paged.stash.buffer import PagedStashBuffer, StashKey, storage_dtype
+from te_paged.stash.streams import COMPUTE, PACK, UNPACK, CudaStreams, Streams
 from te_paged.telemetry import TimelineEvent, nvtx_range
 
 __all__ = ["PagedStashManager", "StashMode", "StashStats"]
@@ -109,12 +115,25 @@ class StashStats:
     capture_peak_balanced_pages: dict[str, int]
 
 
+class _Group:
+    """The tensors one scope paged and not yet reloaded, for the reload look-ahead: ``prev``
+    is the scope opened just before in the same forward pass (None at its first layer)."""
+
+    __slots__ = ("handles", "layer", "prev")
+
+    def __init__(self, layer: int | None, prev: _Group | None) -> None:
+        self.handles: list[_Paged] = []
+        self.layer = layer
+        self.prev = prev
+
+
 @dataclasses.dataclass(frozen=True)
 class _Scope:
     max_num_tokens: int
     num_tokens: torch.Tensor
     avg_num_tokens: int
     layer: int | None  # names the NVTX ranges of the tensors paged in this scope
+    group: _Group | None = None  # with stream overlap: the look-ahead's view of this scope
 
 
 class _Captured:
@@ -135,12 +154,15 @@ class _Paged:
     """Handle autograd keeps instead of a paged tensor; reloads it once, on first unpack."""
 
     __slots__ = (
-        "buffer", "dtype", "generation", "layer", "max_rows", "meta", "pages_M", "reloaded",
-        "shape",
+        "buffer", "dtype", "generation", "group", "id", "layer", "max_rows", "meta", "pages_M",
+        "reload_event", "reloaded", "shape", "used",
     )  # fmt: skip
 
     def __init__(self, **kw: object) -> None:
         self.reloaded: torch.Tensor | None = None
+        self.group: _Group | None = None
+        self.reload_event = None
+        self.used = False  # the compute stream has waited for the reload
         for k, v in kw.items():
             setattr(self, k, v)
 
@@ -151,6 +173,11 @@ class PagedStashManager:
     ``device`` (default ``None``: CUDA's current device when CUDA is available, else the CPU)
     is where the pools and flags live; it must be the device the experts compute on. A bare
     ``"cuda"`` means CUDA's current device.
+
+    ``stream_overlap`` (default: on for CUDA; CPU has no streams) runs stash copies and reloads
+    on their own streams; turn it off to debug, e.g. a suspected ordering problem.
+    ``reload_lookahead`` (default 1) is how many earlier scopes a backward reload prefetches
+    (0: reload each tensor when backward first uses it).
     """
 
     def __init__(
@@ -163,6 +190,8 @@ class PagedStashManager:
         kernel_backend: KernelBackend | str = KernelBackend.AUTO,
         zero_padding: bool = True,
         record_timeline: bool = False,
+        stream_overlap: bool | None = None,
+        reload_lookahead: int = 1,
     ) -> None:
         page_size = require_int("page_size", page_size, minimum=1)
         buffer_size_factor_cuda = require_real(
@@ -179,12 +208,28 @@ class PagedStashManager:
             raise ValueError(f"kernel_backend={kernel_backend!r} is not one of {allowed}")
         require_bool("zero_padding", zero_padding)
         require_bool("record_timeline", record_timeline)
+        if stream_overlap is None:
+            stream_overlap = device.type == "cuda"
+        require_bool("stream_overlap", stream_overlap)
+        if stream_overlap and device.type != "cuda":
+            raise ValueError(
+                f"stream_overlap=True needs a CUDA device, but this manager is on {device}: there "
+                "are no streams to overlap on (leave it None: on for CUDA, off elsewhere)"
+            )
+        reload_lookahead = require_int("reload_lookahead", reload_lookahead, minimum=0)
         self.page_size = page_size
         self.buffer_size_factor_cuda = buffer_size_factor_cuda
         self.buffer_size_factor_cpu = buffer_size_factor_cpu
         self.device = torch.device(device)
         self.backend = resolve_backend(kernel_backend, self.device)
         self.zero_padding = zero_padding
+        self.stream_overlap = stream_overlap
+        self.reload_lookahead = reload_lookahead
+        # Streams: the no-op base class without overlap (everything on the compute stream).
+        self._streams: Streams = CudaStreams(self.device) if stream_overlap else Streams()
+        self._last_side: dict = {PACK: None, UNPACK: None}  # events after the latest stash/pop
+        self._last_group: _Group | None = None
+        self._tensor_ids = 0  # names the resources of each paged tensor for the streams' fake
         self._disabled_depth = 0  # see disabled(): the one switch that turns stashing off
         self.mode = StashMode.CAPTURE
         self.flags = torch.zeros(FLAGS_LEN, dtype=torch.int64, device=self.device)
@@ -213,7 +258,12 @@ class PagedStashManager:
 
     @classmethod
     def from_config(
-        cls, config: object, device: torch.device | str | None = None
+        cls,
+        config: object,
+        device: torch.device | str | None = None,
+        *,
+        stream_overlap: bool | None = None,
+        reload_lookahead: int = 1,
     ) -> PagedStashManager:
         """Build from an :class:`~te_paged.config.MoEConfig` (or anything with its fields), on
         ``device`` (default: the current accelerator, as the constructor's)."""
@@ -223,6 +273,8 @@ class PagedStashManager:
             buffer_size_factor_cpu=config.moe_paged_stash_buffer_size_factor_cpu,
             device=device,
             kernel_backend=config.moe_paged_stash_kernel_backend,
+            stream_overlap=stream_overlap,
+            reload_lookahead=reload_lookahead,
         )
 
     # ------------------------------------------------------------------------------ on / off
@@ -254,6 +306,9 @@ class PagedStashManager:
         returns every page and clears flags and counters in place, allocating nothing."""
         if self._scope is not None:
             raise RuntimeError("PagedStashManager.reset() called inside an open scope")
+        self.join_side_streams()
+        self._streams.note("reset", writes=["flags", *(("pool", k) for k in self.buffers)])
+        self._last_group = None
         self._generation += 1
         if self.mode is StashMode.CAPTURE and self._peaks:
             self.mode = StashMode.CAPTURED
@@ -273,10 +328,21 @@ class PagedStashManager:
     def release(self) -> None:
         """Free every pool (e.g. before a dropless rerun); the next ``reset()`` reallocates them
         from the captured peaks."""
+        self.join_side_streams()
+        self._streams.note("release", releases=[("pool", k) for k in self.buffers])
+        self._last_group = None
         self._generation += 1
         if self.buffers:
             logger.debug("freed the paged-stash pools (%s)", ", ".join(map(str, self.buffers)))
         self.buffers.clear()
+
+    def join_side_streams(self) -> None:
+        """Make the current (compute) stream wait for all stash copies and reloads enqueued so
+        far on the side streams: events, no host sync; a no-op without stream overlap. Call it
+        before reading :attr:`flags` or a pool's state on the compute stream (``reset()``,
+        ``stats()`` and the runners do)."""
+        for stream in (PACK, UNPACK):
+            self._streams.wait(COMPUTE, self._last_side[stream], "join")
 
     def pool_pages_for(self, key: StashKey) -> tuple[int, int]:
         """``(device pages, host pages)`` the pool of ``key`` gets from the captured peak.
@@ -372,7 +438,14 @@ class PagedStashManager:
         require_int("avg_num_tokens", avg_num_tokens, minimum=0)
         if layer is not None:
             require_int("layer", layer, minimum=0)
-        self._scope = _Scope(max_num_tokens, num_tokens.reshape(1), avg_num_tokens, layer)
+        group = None
+        if self._streams.overlap and self.mode is StashMode.CAPTURED:
+            last = self._last_group
+            same_pass = last is not None and (
+                layer is None or last.layer is None or last.layer < layer
+            )  # layer numbers rise through a forward pass; a fall starts a new one
+            group = self._last_group = _Group(layer, last if same_pass else None)
+        self._scope = _Scope(max_num_tokens, num_tokens.reshape(1), avg_num_tokens, layer, group)
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
@@ -464,11 +537,20 @@ class PagedStashManager:
         pages_M = torch.empty(-(-max_rows // self.page_size), dtype=torch.int32, device=t.device)
         meta = torch.empty(META_LEN, dtype=torch.int64, device=t.device)
         args = (*buffer.kernel_args(), self.flags, pages_M, meta)
-        with nvtx_range("te_paged.stash", scope.layer):
-            stash_copy(self.backend, rows_RH, scope.num_tokens, kind.tokens_per_row,
-                       self.page_size, *args)  # fmt: skip
+        self._tensor_ids += 1
+
+        def copy() -> None:
+            with nvtx_range("te_paged.stash", scope.layer):
+                stash_copy(self.backend, rows_RH, scope.num_tokens, kind.tokens_per_row,
+                           self.page_size, *args)  # fmt: skip
+
+        if self._streams.overlap:
+            self._stash_on_side(copy, self._tensor_ids, key, rows_RH, scope, (pages_M, meta))
+        else:
+            copy()
         self._trace("stash", buffer, meta)
         handle = _Paged(
+            id=self._tensor_ids,
             buffer=buffer,
             max_rows=max_rows,
             pages_M=pages_M,
@@ -478,7 +560,37 @@ class PagedStashManager:
             generation=self._generation,
             layer=scope.layer,
         )
+        if scope.group is not None:
+            handle.group = scope.group
+            scope.group.handles.append(handle)
         return handle
+
+    def _stash_on_side(
+        self,
+        copy,
+        tid: int,
+        key: StashKey,
+        rows_RH: torch.Tensor,
+        scope: _Scope,
+        record: tuple[torch.Tensor, torch.Tensor],
+    ) -> None:
+        """Enqueue a stash copy on the pack stream (rules in :mod:`te_paged.stash.streams`)."""
+        s = self._streams
+        source, rec = ("source", tid), ("record", tid)
+        s.note("produce", writes=[source, rec])  # the layer's output and the record's memory
+        produced = s.record(COMPUTE)
+        s.wait(PACK, produced, "stash after produce")
+        s.wait(PACK, self._last_side[UNPACK], "reuse after pop")
+        s.launch(PACK, copy, "stash", reads=[source],
+                 writes=[("pages", tid), ("pool", key), rec, "flags"])  # fmt: skip
+        self._last_side[PACK] = s.record(PACK)
+        # The source (often a temporary .contiguous() copy) and the token count are freed by
+        # the caller from now on: their memory must not be reused before the copy read them.
+        s.keep_until(rows_RH, source, PACK, "keep source")
+        s.keep_until(scope.num_tokens, source, PACK, "keep source")
+        for t in record:
+            s.keep_until(t, rec, PACK, "keep record")
+        s.note("drop source", releases=[source])
 
     def _capture_pack(
         self,
@@ -523,6 +635,8 @@ class PagedStashManager:
                     "which handed its pages out again: it cannot be reloaded. Call reset() at "
                     "step boundaries only, after every backward of the step (the runners do)"
                 )
+        if isinstance(handle, _Paged) and self._streams.overlap:
+            return self._unpack_on_side(handle)
         if isinstance(handle, _Paged):
             if handle.reloaded is None:
                 buffer = handle.buffer
@@ -560,11 +674,70 @@ class PagedStashManager:
             return handle.reloaded
         return handle
 
+    def _unpack_on_side(self, handle: _Paged) -> torch.Tensor:
+        """Reload ``handle`` (and the rest of its scope) on the unpack stream if not yet done,
+        prefetch the ``reload_lookahead`` scopes before it, then make the compute stream wait
+        for ``handle``'s reload, once."""
+        group = handle.group
+        if handle.reloaded is None:
+            for h in [handle, *(group.handles if group is not None else ())]:
+                if h.reloaded is None:
+                    self._reload(h)
+        prev = group.prev if group is not None else None
+        for _ in range(self.reload_lookahead):
+            if prev is None:
+                break
+            for h in list(prev.handles):
+                if h.reloaded is None and h.generation == self._generation:
+                    self._reload(h)
+            prev = prev.prev
+        if not handle.used:
+            self._streams.wait(COMPUTE, handle.reload_event, "use after reload")
+            handle.used = True
+        self._streams.note("use reload", reads=[("reload", handle.id)])
+        return handle.reloaded
+
+    def _reload(self, handle: _Paged) -> None:
+        """Enqueue ``handle``'s pop on the unpack stream into a buffer allocated on the compute
+        stream; its pages go back to the free list when the pop completes."""
+        s, buffer = self._streams, handle.buffer
+        tid = handle.id
+        reload, rec = ("reload", tid), ("record", tid)
+        out_RH = torch.empty(
+            handle.max_rows, buffer.key.hidden, dtype=buffer.pool_NH.dtype, device=buffer.device
+        )
+        s.note("allocate reload", writes=[reload])
+        allocated = s.record(COMPUTE)
+        args = (*buffer.kernel_args(), self.flags, handle.pages_M, handle.meta)
+
+        def pop() -> None:
+            with nvtx_range("te_paged.pop", handle.layer):
+                stash_pop(self.backend, out_RH, self.page_size, *args, self.zero_padding)
+
+        s.wait(UNPACK, allocated, "reload after alloc")
+        s.wait(UNPACK, self._last_side[PACK], "pop after stash")
+        s.launch(UNPACK, pop, "pop", reads=[("pages", tid), rec, "flags"],
+                 writes=[reload, ("pool", buffer.key)])  # fmt: skip
+        handle.reload_event = self._last_side[UNPACK] = s.record(UNPACK)
+        # Freed on the compute stream whenever autograd drops them (a prefetched reload that
+        # backward never uses included): not reused before the pop completed.
+        s.keep_until(out_RH, reload, UNPACK, "keep reload")
+        for t in (handle.pages_M, handle.meta):
+            s.keep_until(t, rec, UNPACK, "keep record")
+        s.note("drop record", releases=[rec])
+        s.note("drop reload", releases=[reload])
+        handle.reloaded = out_RH.view(handle.dtype).view(handle.shape)
+        if handle.group is not None:
+            handle.group.handles.remove(handle)  # the look-ahead keeps no reload alive
+        self._trace("pop", buffer, handle.meta)
+        self._pops += 1
+
     # ------------------------------------------------------------------------------ reporting
 
     def _trace(self, kind: str, buffer: PagedStashBuffer, meta: torch.Tensor) -> None:
         if self.timeline is None:
             return
+        self.join_side_streams()  # telemetry reads the pool's state: not for speed
         state = buffer.state.tolist()
         rows = int(meta[Meta.ROWS]) if int(meta[Meta.TIER]) == int(Tier.DEVICE) else 0
         live = self._live_rows.get(buffer.key, 0) + (rows if kind == "stash" else -rows)
@@ -576,6 +749,8 @@ class PagedStashManager:
 
     def stats(self) -> StashStats:
         """Read the step's statistics (one device→host copy per pool; not for the hot path)."""
+        self.join_side_streams()
+        self._streams.note("stats", reads=["flags", *(("pool", k) for k in self.buffers)])
         flags = self.flags.tolist()
         pool_pages, host_pages, hwm, host_hwm = {}, {}, {}, {}
         bytes_stashed, spilled = self._capture_bytes, 0

@@ -81,6 +81,8 @@ class RankResult:
     #: kept paged stash (each was rerun without it), so there is no saving to report.
     memory_step: int | None = None
     stage: int = 0  # the rank's pipeline stage (megatron engine; 0 without pipelining)
+    #: Layers of static-size reloads live at the peak: 1, or 1 + the look-ahead with streams.
+    reload_layers: int = 1
 
 
 @dataclasses.dataclass
@@ -125,7 +127,8 @@ class ABResult:
         cf, bf = cfg["capacity_factor"], cfg["buffer_factor_cuda"]
         predicted = capacity_model_saving(cf, bf, s)
         layers = cfg["layers"] if stage is None else self.live_layers(stage)
-        adjusted = reload_adjusted_saving(cf, bf, s, layers)
+        reloads = max(r.reload_layers for r in ranks)
+        adjusted = reload_adjusted_saving(cf, bf, s, layers, reloads)
         saving = off - on
         return {
             "step": step,
@@ -300,7 +303,14 @@ def run_ab(
         method,
         timeline,
         off_runner.routing_profile() if record_routing else None,
+        reload_layers=reload_layers(model.manager),
     )
+
+
+def reload_layers(manager: PagedStashManager) -> int:
+    """Layers of static-size reloads live at the step's peak under ``manager``: one, plus the
+    prefetched ones when it overlaps on streams."""
+    return 1 + manager.reload_lookahead if manager.stream_overlap else 1
 
 
 def rank_result(
@@ -312,6 +322,8 @@ def rank_result(
     memory_method: str,
     timeline: list[dict],
     routing: RoutingProfile | None = None,
+    *,
+    reload_layers: int = 1,
 ) -> RankResult:
     """A rank's result, its pool, ``S`` and counts taken at the measured step."""
     step = measured_step(on)
@@ -330,6 +342,7 @@ def rank_result(
         timeline,
         routing,
         step,
+        reload_layers=reload_layers,
     )
 
 
