@@ -2,5 +2,7 @@
 # The main job: `te-paged ab` (paged stash ON vs OFF, default model, 4 CPU ranks).
 # Extra arguments go to `te-paged ab` (see `te-paged ab --help`).
 source "$(dirname "$0")/env.sh"
-"$PY" -m pip install -q --disable-pip-version-check -e ".[plot]"
+extras=plot
+case " $* " in *" --engine jax "* | *" --engine=jax "*) extras=plot,jax ;; esac  # pinned JAX
+"$PY" -m pip install -q --disable-pip-version-check -e ".[$extras]"
 exec "$VENV/bin/te-paged" ab "$@"

@@ -3,6 +3,7 @@
     te-paged ab     [--nproc 4] [model and run flags] [--json P] [--plot P] [--record-profile P]
     te-paged ab     --engine megatron [--ep 2] [--dropout 0.1] [--overlap-grad-reduce]
                     [--pipeline-parallel 2 [--virtual-stages 2]] [--microbatches 4] ...
+    te-paged ab     --engine jax [--ep 4] [model and run flags]   (one process, CPU)
     te-paged plan   --profile PATH [--target-rerun-rate R] [--host-spill]
     te-paged plan   --model deepseek-v3 --seq-length 4096 --micro-batch-size 2 --ep 4 \
                     [--ring-of-experts | --capacity-factor F] \
@@ -28,6 +29,7 @@ one line naming it; ``--traceback`` prints the traceback).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import traceback
 from pathlib import Path
@@ -68,13 +70,18 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
 
     d = ModelConfig()
     if engines:
+        from te_paged.tools.jax_ab import JaxModelConfig  # imports no JAX
         from te_paged.tools.megatron_ab import MegatronModelConfig
 
-        m = MegatronModelConfig()
+        m, j = MegatronModelConfig(), JaxModelConfig()
+        jax_flags = {f.name for f in dataclasses.fields(j) if f.init}
 
         def dflt(name: str) -> str:
             a, b = getattr(d, name), getattr(m, name)
-            return f"{a}" if a == b else f"{a}; megatron engine {b}"
+            text = f"{a}" if a == b else f"{a}; megatron engine {b}"
+            if name in jax_flags and getattr(j, name) != a:
+                text += f"; jax engine {getattr(j, name)}"
+            return text
 
         title = "model and run (defaults: the embedded default model)"
     else:
@@ -97,6 +104,8 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
         if engines
         else ""
     )
+    if engines and j.tokens != d.tokens:
+        megatron_note += f"; jax engine {j.tokens}"
     g.add_argument("--tokens", type=integer(1), help=f"tokens per rank ({d.tokens}{megatron_note})")
     _knob(
         g,
@@ -158,20 +167,28 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
     g.add_argument(
         "--skew",
         type=real(),
-        help="logit added to expert 0 on rank 0 (the megatron engine: to its routing bias), "
+        help="logit added to expert 0 on rank 0 (the megatron engine: to its routing bias; "
+        "jax: to its router logit, expert 0 being local), "
         f"to force over-budget reruns ({d.skew:g}: none)",
     )
-    e = p.add_argument_group("engine (--engine megatron: a Megatron-core GPTModel)")
+    e = p.add_argument_group(
+        "engine (--engine megatron: a Megatron-core GPTModel; --engine jax: te_paged.jax)"
+    )
     e.add_argument(
         "--engine",
-        choices=["default", "megatron"],
+        choices=["default", "megatron", "jax"],
         default="default",
         help="default: the embedded te_paged model; megatron: Megatron-core's GPTModel with "
         "te_paged's MoE spec, Megatron DDP, optimizer and forward_backward_func under "
-        "MegatronPagedStashRunner (needs megatron-core 0.16.1)",
+        "MegatronPagedStashRunner (needs megatron-core 0.16.1); jax: te_paged.jax's "
+        "ring-of-experts MoE stack in one process on CPU, memory from XLA's compiled memory "
+        "analysis (needs the jax extra; model defaults: docs/jax.md)",
     )
     e.add_argument(
-        "--ep", type=integer(1), help="expert-parallel size (default: every rank; megatron only)"
+        "--ep",
+        type=integer(1),
+        help="expert-parallel size (megatron: default every rank; jax: the ring's size and "
+        "the capacity factor, default 4; not with the default engine)",
     )
     e.add_argument(
         "--dropout",
@@ -251,7 +268,8 @@ def _ab_parser(sub, common: argparse.ArgumentParser) -> None:
         "--nproc",
         type=integer(1),
         default=4,
-        help="ranks to start (%(default)s; under torchrun the launcher's ranks instead)",
+        help="ranks to start (%(default)s; under torchrun the launcher's ranks instead; the "
+        "jax engine runs one process and ignores it)",
     )
     _device(run, "cuda, with NCCL, when there is a GPU for every rank, else cpu, with gloo")
     run.add_argument(

@@ -33,12 +33,15 @@ def model_config(args: argparse.Namespace):
     """The engine's model config from the parsed flags (``None`` flags take its defaults)."""
     from te_paged.tools.model import ModelConfig
 
-    megatron = getattr(args, "engine", "default") == "megatron"
+    engine = getattr(args, "engine", "default")
+    megatron = engine == "megatron"
     if megatron:
         from te_paged.tools.megatron_ab import MegatronModelConfig as cls
+    elif engine == "jax":
+        from te_paged.tools.jax_ab import JaxModelConfig as cls
     else:
         cls = ModelConfig
-    fields = {f.name for f in dataclasses.fields(cls)}
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}
     kw = {k: v for k, v in vars(args).items() if k in fields and v is not None}
     if megatron:
         kw.pop("tokens", None)  # seq_length x micro_batch_size
@@ -84,8 +87,50 @@ def _check_pipeline(cfg, world: int) -> str | None:
     return None
 
 
+def _check_jax_args(args: argparse.Namespace) -> str | None:
+    """``--engine jax``: one process on CPU, the ring-of-experts model's flags only."""
+    if args.capacity_factor is not None:
+        return (
+            "--capacity-factor: the jax engine's ring-of-experts buffer holds every EP rank's "
+            "tokens, a capacity factor of --ep"
+        )
+    refused = [
+        ("buffer_factor_cpu", "--buffer-factor-cpu"),
+        ("fp8", "--fp8"),
+        ("recompute", "--recompute"),
+        ("op_fuser", "--op-fuser"),
+        ("kernel_backend", "--kernel-backend"),
+        ("record_profile", "--record-profile"),
+    ]
+    refused += [(n, f"--{n.replace('_', '-')}") for n in _MEGATRON_ONLY if n != "ep"]
+    given = [flag for name, flag in refused if getattr(args, name, None) not in (None, False)]
+    if args.activation not in (None, "swiglu"):
+        given.append("--activation")
+    if given:
+        return f"{', '.join(given)}: not available with --engine jax"
+    if args.device == "cuda":
+        return "--device cuda: the jax engine runs on CPU (the jax extra is CPU JAX)"
+    args.device = "cpu"
+    if importlib.util.find_spec("jax") is None:
+        return "--engine jax needs JAX: pip install 'te_paged[jax]'"
+    try:
+        model_config(args).ring()  # the model's own checks (experts over --ep, top-k, ...)
+    except ValueError as e:
+        return str(e)
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        return "--plot needs matplotlib: pip install 'te_paged[plot]'"
+    try:
+        check_output("--json", args.json, args.force)
+        check_output("--plot", args.plot, args.force)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def check_ab_args(args: argparse.Namespace) -> str | None:
     """Everything the run would trip over, as one message (or None), before any rank starts."""
+    if args.engine == "jax":
+        return _check_jax_args(args)
     megatron = args.engine == "megatron"
     args.device = _resolve_device(args.device, *_world(args))
     if not megatron:
@@ -258,12 +303,27 @@ def _write_outputs(args: argparse.Namespace, result) -> None:
         result.ranks[0].routing.to_json(args.record_profile)
 
 
+def _run_jax(args: argparse.Namespace):
+    """The jax engine: this process, no ranks (under torchrun every rank would run it alone)."""
+    from te_paged.tools.jax_ab import run_jax_ab
+    from te_paged.tools.progress import Progress
+
+    cfg = model_config(args)
+    shown = Progress(2 * cfg.steps, "te-paged ab (jax, 1 process, cpu)", logs="te-paged ab")
+    try:
+        return run_jax_ab(cfg, shown)
+    finally:
+        shown.close()
+
+
 def run_ab_command(args: argparse.Namespace) -> int:
     """The checked ``ab`` command: run, print the table, write the outputs; the exit status."""
     from te_paged.tools.ab import format_table
 
     world, under_torchrun = _world(args)
-    if under_torchrun:
+    if args.engine == "jax":
+        result = _run_jax(args)
+    elif under_torchrun:
         rank = int(os.environ["RANK"])
         watchdog = RankWatchdog(rank, args.timeout * 1.1 + 5).start()
         try:

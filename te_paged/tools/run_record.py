@@ -1,12 +1,13 @@
 """The run record: what ``te-paged ab --json PATH`` writes, versioned and strict JSON.
 
 The record is :class:`~te_paged.tools.ab.ABResult` as a dict plus what a reader needs to trust
-and reproduce it: ``schema_version``, the te_paged and torch versions, the engine and the
-command line. A value that is undefined or not finite (a ratio against a model that is not
-positive, a loss that overflowed) is written as ``null``, never as ``NaN`` or ``Infinity``,
-which strict parsers (``JSON.parse``, ``json.loads`` with ``parse_constant`` raising) reject.
-Every field is documented in docs/run-record.md; ``run_record.schema.json`` next to this module
-is the JSON Schema (draft 2020-12) the tests validate every record against.
+and reproduce it: ``schema_version``, the te_paged and torch versions (and JAX's, for the jax
+engine), the engine and the command line. A value that is undefined or not finite (a ratio
+against a model that is not positive, a loss that overflowed) is written as ``null``, never as
+``NaN`` or ``Infinity``, which strict parsers (``JSON.parse``, ``json.loads`` with
+``parse_constant`` raising) reject. Every field is documented in docs/run-record.md;
+``run_record.schema.json`` next to this module is the JSON Schema (draft 2020-12) the tests
+validate every record against.
 
 Bump :data:`SCHEMA_VERSION` when a field is removed, renamed or changes meaning or unit, and
 update the schema and docs/run-record.md with it; adding a field also needs both.
@@ -25,10 +26,12 @@ import torch
 from te_paged._version import __version__
 from te_paged.tools.ab import ABResult
 
-__all__ = ["SCHEMA_FILE", "SCHEMA_VERSION", "build_record", "dumps", "load_schema"]
+__all__ = ["ENGINES", "SCHEMA_FILE", "SCHEMA_VERSION", "build_record", "dumps", "load_schema"]
 
 SCHEMA_VERSION = 1
 SCHEMA_FILE = "run_record.schema.json"
+#: ``te-paged ab --engine`` values; the record says which one ran.
+ENGINES = ("default", "megatron", "jax")
 
 
 def _finite(value: Any) -> Any:
@@ -45,12 +48,13 @@ def _finite(value: Any) -> Any:
 def build_record(result: ABResult, engine: str, command: list[str]) -> dict[str, Any]:
     """The record of one ``ab`` run. ``command`` is the command line as ``sys.argv`` holds it
     (the program first)."""
-    if engine not in ("default", "megatron"):
-        raise ValueError(f"engine must be 'default' or 'megatron', got {engine!r}")
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     record = {
         "schema_version": SCHEMA_VERSION,
         "te_paged_version": __version__,
         "torch_version": torch.__version__,
+        **({"jax_version": _jax_version()} if engine == "jax" else {}),
         "command": [str(a) for a in command],
         "engine": engine,
         "equal": result.equal,
@@ -59,6 +63,12 @@ def build_record(result: ABResult, engine: str, command: list[str]) -> dict[str,
         "memory_per_stage": result.memory_per_stage(),
     }
     return _finite(record)
+
+
+def _jax_version() -> str:
+    import jax
+
+    return jax.__version__
 
 
 def dumps(record: dict[str, Any]) -> str:
