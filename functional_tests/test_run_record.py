@@ -180,6 +180,16 @@ def test_the_table_labels_steps_and_measures_the_last_step_with_the_stash() -> N
     assert _result(["capture", "fallback", "fallback"]).memory() is None
 
 
+def test_stream_overlap_reloads_count_in_the_reload_adjusted_model() -> None:
+    # With look-ahead 1 two layers of reloads are live at the peak: (2.0 − 1.1 − 2·2.0/8) × 200.
+    result = _result(["capture", "paged"])
+    assert "(L 8)" in format_table(result)
+    result.ranks[0].reload_layers = 2
+    m = result.memory()
+    assert m["reload_adjusted_saving_bytes"] == pytest.approx((2.0 - 1.1 - 2 * 2.0 / 8) * 200)
+    assert "(L 8, R 2)" in format_table(result)
+
+
 def test_a_built_record_validates_and_undefined_values_are_null() -> None:
     result = _result(["capture", "paged"], layers=2)  # reload-adjusted model < 0
     result.ranks[0].on[0] = dataclasses.replace(result.ranks[0].on[0], loss=math.nan)

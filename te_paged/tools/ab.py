@@ -363,7 +363,10 @@ def _percent(ratio: float | None) -> str:
     return "n/a (model ≤ 0)" if ratio is None else f"{100 * ratio:.1f} %"
 
 
-def _memory_row(m: dict, cfg: dict, layers: int, stage: int | None = None) -> str:
+def _memory_row(m: dict, cfg: dict, layers: int, stage: int | None = None, reloads: int = 1) -> str:
+    # ", R 2" when more than one layer's reloads are live at the peak (stream overlap's
+    # look-ahead: the column's model is then (cf − bf − R·cf/L) × S).
+    r = f", R {reloads}" if reloads > 1 else ""
     lead = "" if stage is None else f"| {stage} "
     return (
         f"{lead}| {_mib(m['peak_on_bytes'])} | {_mib(m['peak_off_bytes'])} "
@@ -372,7 +375,7 @@ def _memory_row(m: dict, cfg: dict, layers: int, stage: int | None = None) -> st
         f"(cf {cfg['capacity_factor']}, bf {cfg['buffer_factor_cuda']}, "
         f"S {_mib(m['S_bytes'])}) "
         f"| {_percent(m['measured_over_predicted'])} "
-        f"| {_mib(m['reload_adjusted_saving_bytes'])} (L {layers}) "
+        f"| {_mib(m['reload_adjusted_saving_bytes'])} (L {layers}{r}) "
         f"| {_percent(m['measured_over_reload_adjusted'])} |"
     )
 
@@ -397,6 +400,7 @@ def format_table(result: ABResult) -> str:
         )
     m = result.memory()
     cfg = result.config
+    reloads = max(r.reload_layers for r in result.ranks)
     header = [
         "| peak ON (incl. pool) | peak OFF | pool | saving | predicted (cf − bf) × S "
         "| measured / predicted | less one layer's reload (cf − bf − cf/L) × S "
@@ -420,7 +424,7 @@ def format_table(result: ABResult) -> str:
             f"({r0.memory_method}):",
             "",
             *header,
-            _memory_row(m, cfg, cfg["layers"]),
+            _memory_row(m, cfg, cfg["layers"], reloads=reloads),
             "",
         ]
     else:
@@ -435,7 +439,7 @@ def format_table(result: ABResult) -> str:
             "| stage " + header[0],
             "| ---: " + header[1],
             *(
-                _memory_row(sm, cfg, result.live_layers(stage), stage)
+                _memory_row(sm, cfg, result.live_layers(stage), stage, reloads)
                 for stage, sm in enumerate(result.memory_per_stage() or [])
                 if sm is not None
             ),
