@@ -784,7 +784,7 @@ def memory() -> str:
     tensors; the model less the reloads live at the peak (R layers: 1, or 1 + the look-ahead
     with stream overlap), as ``te-paged ab`` reports it."""
     from te_paged.runtime.memory import capacity_model_saving, reload_adjusted_saving
-    from te_paged.tools.ab import pool_and_s_bytes, reload_layers
+    from te_paged.tools.ab import pool_and_s_bytes
 
     layers = _ds_sizes()["layers"]
     models = _ds_models()
@@ -803,7 +803,7 @@ def memory() -> str:
                 raise AssertionError(f"{label}: stash not used cleanly: {s}")
         pool, s_bytes = pool_and_s_bytes(managers)
         figures[label] = (peak + pool, pool, s_bytes)
-        reloads[label] = max((reload_layers(m) for m in managers), default=1)
+        reloads[label] = max((m.reload_layers for m in managers), default=1)
     mib = 2**20
     off = figures["OFF"][0]
     table = [

@@ -17,17 +17,17 @@ capture step's peak pages.
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import faulthandler
-import json
 import sys
-from pathlib import Path
 
 import torch
 
-from functional_tests.megatron.train_worker import NEVER_OVERFLOWS, PARITY, config, summary
-from te_paged.integrations.megatron import cpu_shims
+from functional_tests.megatron.train_worker import (
+    NEVER_OVERFLOWS,
+    PARITY,
+    config,
+    summary,
+    worker_main,
+)
 
 STEPS = 3
 PIPELINE = {"layers": 4, "microbatches": 4, "steps": STEPS, "pipeline_parallel": 2}
@@ -64,7 +64,7 @@ def pools(run, cfg) -> dict:
     }
 
 
-def run_cases(rank: int) -> dict:
+def run_cases(rank: int, world: int) -> dict:
     from megatron.core import parallel_state
 
     from te_paged.tools.megatron_ab import megatron_parallel, train
@@ -89,26 +89,7 @@ def run_cases(rank: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="folder for rank<r>.json")
-    parser.add_argument("--timeout-s", type=float, default=300.0, help="watchdog: exit after")
-    args = parser.parse_args(argv)
-    faulthandler.dump_traceback_later(args.timeout_s, exit=True)
-    cpu_shims.install()
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    try:
-        results = {"world_size": world, "steps": STEPS, **run_cases(rank)}
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
-    faulthandler.cancel_dump_traceback_later()
-    return 0
+    return worker_main(argv, __doc__.splitlines()[0], run_cases, steps=STEPS, timeout_s=300.0)
 
 
 if __name__ == "__main__":

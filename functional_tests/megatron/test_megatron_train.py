@@ -8,13 +8,9 @@ after the step and Megatron's MoE aux-loss tracker.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from functional_tests.launch import torchrun
-from functional_tests.megatron import train_worker
-from te_paged.integrations.megatron import cpu_shims
+from functional_tests.megatron import run_workers, train_worker
 
 WORLD_SIZE = 4
 LAUNCH_TIMEOUT_S = 300
@@ -23,21 +19,8 @@ PARITY = [f"ep{ep}-overlap_{o}" for ep in (2, 4) for o in (False, True)]
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    try:
-        cpu_shims.megatron_version()
-    except RuntimeError as e:
-        pytest.fail(str(e))
     out = tmp_path_factory.mktemp("megatron_train")
-    torchrun(
-        ["-m", "functional_tests.megatron.train_worker", "--out", str(out),
-         "--timeout-s", str(LAUNCH_TIMEOUT_S - 30)],
-        nproc=WORLD_SIZE,
-        timeout_s=LAUNCH_TIMEOUT_S,
-        env={"PYTHONWARNINGS": "ignore"},  # Megatron warns at import that TE and Apex are absent
-    )  # fmt: skip
-    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
-    assert all(r["world_size"] == WORLD_SIZE for r in results)
-    return results
+    return run_workers("train_worker", out, world_size=WORLD_SIZE, timeout_s=LAUNCH_TIMEOUT_S)
 
 
 def _all_equal(case: dict) -> bool:

@@ -27,6 +27,7 @@ import datetime
 import faulthandler
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -158,10 +159,19 @@ def run_cases(rank: int, world: int) -> dict:
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def worker_main(
+    argv: list[str] | None,
+    description: str,
+    cases: Callable[[int, int], dict],
+    *,
+    steps: int,
+    timeout_s: float,
+) -> int:
+    """A worker's ``main``: gloo over the launched ranks, ``cases(rank, world)``, and each
+    rank's results to ``--out/rank<r>.json``."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--out", type=Path, required=True, help="folder for rank<r>.json")
-    parser.add_argument("--timeout-s", type=float, default=400.0, help="watchdog: exit after")
+    parser.add_argument("--timeout-s", type=float, default=timeout_s, help="watchdog: exit after")
     args = parser.parse_args(argv)
     # A rank whose peers died would wait in a collective for ever: dump the stacks and exit.
     faulthandler.dump_traceback_later(args.timeout_s, exit=True)
@@ -172,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
-        results = {"world_size": world, "steps": STEPS, **run_cases(rank, world)}
+        results = {"world_size": world, "steps": steps, **cases(rank, world)}
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -180,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
     faulthandler.cancel_dump_traceback_later()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return worker_main(argv, __doc__.splitlines()[0], run_cases, steps=STEPS, timeout_s=400.0)
 
 
 if __name__ == "__main__":

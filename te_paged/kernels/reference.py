@@ -152,10 +152,7 @@ def _move_pages(
     r0 = whole * page_size
     if r0 < rows:
         p0 = pages[whole] * page_size
-        if to_pool:
-            pool_NH[p0 : p0 + rows - r0].copy_(buf_RH[r0:rows])
-        else:
-            buf_RH[r0:rows].copy_(pool_NH[p0 : p0 + rows - r0])
+        _copy_slice(pool_NH, buf_RH, p0, r0, rows - r0, to_pool=to_pool)
 
 
 def _move_rows(
@@ -182,11 +179,17 @@ def _move_rows(
     for slot, page, length in runs:
         r0 = slot * page_size
         n = min(length * page_size, rows - r0)
-        p0 = page * page_size
-        if to_pool:
-            pool_NH[p0 : p0 + n].copy_(buf_RH[r0 : r0 + n])
-        else:
-            buf_RH[r0 : r0 + n].copy_(pool_NH[p0 : p0 + n])
+        _copy_slice(pool_NH, buf_RH, page * page_size, r0, n, to_pool=to_pool)
+
+
+def _copy_slice(
+    pool_NH: torch.Tensor, buf_RH: torch.Tensor, p0: int, r0: int, n: int, *, to_pool: bool
+) -> None:
+    """``n`` consecutive rows, pool rows from ``p0`` ↔ buffer rows from ``r0``, one ``copy_``."""
+    if to_pool:
+        pool_NH[p0 : p0 + n].copy_(buf_RH[r0 : r0 + n])
+    else:
+        buf_RH[r0 : r0 + n].copy_(pool_NH[p0 : p0 + n])
 
 
 def _queue_range(start: int, count: int, size: int) -> list[tuple[int, int, int]]:

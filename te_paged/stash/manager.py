@@ -336,6 +336,12 @@ class PagedStashManager:
             logger.debug("freed the paged-stash pools (%s)", ", ".join(map(str, self.buffers)))
         self.buffers.clear()
 
+    @property
+    def reload_layers(self) -> int:
+        """Layers of static-size reloads live at a step's peak: one (backward's current layer),
+        plus the ``reload_lookahead`` prefetched ones when overlapping on streams."""
+        return 1 + self.reload_lookahead if self._streams.overlap else 1
+
     def join_side_streams(self) -> None:
         """Make the current (compute) stream wait for all stash copies and reloads enqueued so
         far on the side streams: events, no host sync; a no-op without stream overlap. Call it

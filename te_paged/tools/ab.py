@@ -303,14 +303,8 @@ def run_ab(
         method,
         timeline,
         off_runner.routing_profile() if record_routing else None,
-        reload_layers=reload_layers(model.manager),
+        reload_layers=model.manager.reload_layers,
     )
-
-
-def reload_layers(manager: PagedStashManager) -> int:
-    """Layers of static-size reloads live at the step's peak under ``manager``: one, plus the
-    prefetched ones when it overlaps on streams."""
-    return 1 + manager.reload_lookahead if manager.stream_overlap else 1
 
 
 def rank_result(

@@ -268,6 +268,8 @@ def test_checker_orders_through_events_and_keeps() -> None:
 def test_stream_overlap_is_cuda_only_and_off_by_default_on_cpu() -> None:
     m = PagedStashManager()
     assert m.stream_overlap is False and type(m._streams) is Streams
+    assert m.reload_layers == 1  # reloads only when backward uses them
+    assert _manager(RecordingStreams(), lookahead=2).reload_layers == 3
     with pytest.raises(ValueError, match="stream_overlap=True needs a CUDA device"):
         PagedStashManager(stream_overlap=True)
     with pytest.raises(ValueError, match="reload_lookahead"):
