@@ -11,14 +11,17 @@ the state this one does). Data moves as raw bits: callers pass integer views of 
 On CPU the bookkeeping reads and writes the small int tensors in place through :func:`_ints`
 (a ctypes array over the tensor's own memory), so that a stash costs its row copies plus a few
 microseconds, not the ~10 µs per tensor op a ``tolist``/``torch.tensor``/``copy_`` round trip
-costs: at 2k tokens of hidden 1024 that round trip was a third of the stash's time.
+costs: at 2k tokens of hidden 1024 that round trip was a third of the stash's time. What is left
+is host work the rows cannot hide at small sizes: a stash+pop costs ~24 µs on a fresh pool and
+~34 µs on a fragmented one before it moves a byte (2k tokens of hidden 8), and 1.7–3× that
+right after a large copy has flushed the caches.
 
 Rows move by runs of consecutive pages, one ``copy_`` each, while a tensor's page list has at
 most :data:`_MAX_RUN_COPIES` runs (a fresh pool hands out one run; a 1F1B schedule leaves two or
 three). A more fragmented list moves its whole pages with one indexed op each way instead —
 ``index_put_`` into the pool, ``index_select``/``index`` back — over the pages viewed as rows of
 16-byte elements (:func:`_move_pages`): on a pool whose free pages alternate, the page-by-page
-``copy_`` reached 0.3–0.7 of a plain copy, the indexed ops reach 0.95–1.05 of it from 16k tokens
+``copy_`` reached 0.3–0.7 of a plain copy, the indexed ops reach 0.96–1.03 of it from 16k tokens
 up (``te-paged bench``, ``benchmarks/results/``). Which pages a tensor gets never depends on how
 its rows move.
 """
@@ -26,6 +29,8 @@ its rows move.
 from __future__ import annotations
 
 import ctypes
+import itertools
+import weakref
 
 import torch
 
@@ -35,6 +40,7 @@ from te_paged.kernels.layout import Flag, Meta, State, Tier
 __all__ = ["torch_stash_copy", "torch_stash_pop"]
 
 _CTYPES = {torch.int32: ctypes.c_int32, torch.int64: ctypes.c_int64}
+_ARRAYS: dict[tuple[torch.dtype, int], type[ctypes.Array]] = {}  # (dtype, numel) -> array type
 
 
 def _ints(t: torch.Tensor) -> ctypes.Array | list[int]:
@@ -42,11 +48,16 @@ def _ints(t: torch.Tensor) -> ctypes.Array | list[int]:
 
     A contiguous CPU tensor gets a ctypes array over its own memory: reads and writes go straight
     to ``t`` (nothing to write back, nothing cached past this call, so a later resize cannot leave
-    it dangling). Any other tensor gets a list copy; :func:`_store` writes it back.
+    it dangling; only the array *type* per (dtype, length) is cached). Any other tensor gets a
+    list copy; :func:`_store` writes it back.
     """
-    ctype = _CTYPES.get(t.dtype)
-    if ctype is not None and t.is_cpu and t.is_contiguous() and t.numel():
-        return (ctype * t.numel()).from_address(t.data_ptr())
+    if t.is_cpu and t.is_contiguous():
+        key = (t.dtype, t.numel())
+        array = _ARRAYS.get(key)
+        if array is None and key[0] in _CTYPES and key[1]:
+            array = _ARRAYS[key] = _CTYPES[key[0]] * key[1]
+        if array is not None:
+            return array.from_address(t.data_ptr())
     return t.tolist()
 
 
@@ -79,20 +90,25 @@ def _page_runs(pages: list[int], limit: int | None = None) -> list[tuple[int, in
     """Split a page list into runs of consecutive ids: ``(first_slot, first_page, length)``.
 
     A fresh free list hands out consecutive pages, so most tensors are one run and move with one
-    ``copy_``. With ``limit``, None as soon as there are more runs than that (without walking
-    the rest of a long fragmented list).
+    ``copy_``. With ``limit``, None as soon as a list of two runs or more has more than
+    ``limit`` (without walking the rest of a long fragmented list); one run is always returned.
     """
-    if not pages or pages == list(range(pages[0], pages[0] + len(pages))):  # the common case
-        return [(0, pages[0], len(pages))] if pages else []
+    if not pages:
+        return []
+    first = pages[0]
+    if pages[-1] - first == len(pages) - 1 and pages == list(range(first, pages[-1] + 1)):
+        return [(0, first, len(pages))]  # the common case
     runs: list[tuple[int, int, int]] = []
-    for slot, page in enumerate(pages):
-        if runs and runs[-1][1] + runs[-1][2] == page:
-            first_slot, first_page, length = runs[-1]
-            runs[-1] = (first_slot, first_page, length + 1)
-        elif limit is not None and len(runs) == limit:
-            return None
-        else:
-            runs.append((slot, page, 1))
+    start = 0
+    for slot, (prev, page) in enumerate(itertools.pairwise(pages), 1):
+        if page != prev + 1:
+            if len(runs) == limit:  # this starts run limit + 2
+                return None
+            runs.append((start, pages[start], slot - start))
+            start = slot
+    if len(runs) == limit:
+        return None
+    runs.append((start, pages[start], len(pages) - start))
     return runs
 
 
@@ -107,14 +123,53 @@ def _copy_dtype(pool_NH: torch.Tensor, buf_RH: torch.Tensor) -> torch.dtype | No
     ):
         return None
     row_bytes = buf_RH.shape[1] * buf_RH.element_size()
-    # Every byte count and address involved, or-ed: a power of two divides it iff it divides all.
+    # The row's bytes and both addresses (data_ptr includes the storage offset), or-ed: a power
+    # of two divides the result iff it divides all three.
     sizes = row_bytes | pool_NH.data_ptr() | buf_RH.data_ptr()
-    for t in (pool_NH, buf_RH):
-        sizes |= t.storage_offset() * t.element_size()
     for dtype in _COPY_DTYPES:
         if row_bytes and sizes % dtype.itemsize == 0:
             return dtype
     return None
+
+
+class _PageViews:
+    """Each pool viewed as rows of whole pages of a copy dtype, made once per pool tensor.
+
+    Pools live for the whole run, so :func:`_move_pages` need not make the two views again on
+    every stash and pop (~2 µs of the ~20 µs of host work a fragmented stash+pop costs). An
+    entry is keyed by the pool tensor's identity, dropped when that tensor is freed, and used
+    only while the tensor still has the address and row count it was made for (a ``resize_``
+    or ``set_`` makes a new one).
+    """
+
+    def __init__(self) -> None:
+        self._views: dict[int, tuple[weakref.ref, int, int, torch.dtype, int, torch.Tensor]] = {}
+
+    def get(self, pool_NH: torch.Tensor, dtype: torch.dtype, page_elems: int) -> torch.Tensor:
+        key = id(pool_NH)
+        entry = self._views.get(key)
+        ptr, rows = pool_NH.data_ptr(), pool_NH.shape[0]
+        if entry is not None and entry[0]() is pool_NH and entry[1:5] == (ptr, rows, dtype,
+                                                                          page_elems):  # fmt: skip
+            return entry[5]
+        view = pool_NH.view(dtype).view(-1, page_elems)
+        self._views[key] = (weakref.ref(pool_NH, self._forget(key)), ptr, rows, dtype,
+                            page_elems, view)  # fmt: skip
+        return view
+
+    def _forget(self, key: int):
+        def forget(ref: weakref.ref) -> None:
+            entry = self._views.get(key)
+            if entry is not None and entry[0] is ref:  # not a newer tensor's entry under the id
+                del self._views[key]
+
+        return forget
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+
+_POOL_PAGES = _PageViews()
 
 
 def _move_pages(
@@ -137,12 +192,15 @@ def _move_pages(
     """
     whole = rows // page_size
     if whole:
-        index = rec_pages_M[:whole]  # int32 indices are fine: no conversion to int64
+        # int32 indices are fine: no conversion to int64.
+        index = rec_pages_M if rec_pages_M.shape[0] == whole else rec_pages_M[:whole]
         if index.device != pool_NH.device:
             index = index.to(pool_NH.device)
         page_elems = page_size * buf_RH.shape[1] * buf_RH.element_size() // dtype.itemsize
-        pool_PX = pool_NH.view(dtype).view(-1, page_elems)
-        buf_PX = buf_RH[: whole * page_size].view(dtype).view(whole, page_elems)
+        pool_PX = _POOL_PAGES.get(pool_NH, dtype, page_elems)
+        # as_strided keeps the buffer's storage offset: its first ``whole`` pages' worth of rows
+        # in one call instead of a slice and two views.
+        buf_PX = buf_RH.view(dtype).as_strided((whole, page_elems), (page_elems, 1))
         if to_pool:
             pool_PX.index_put_((index,), buf_PX)
         elif page_elems < _MEMCPY_SLICE_ELEMS:
@@ -192,16 +250,40 @@ def _copy_slice(
         buf_RH[r0 : r0 + n].copy_(pool_NH[p0 : p0 + n])
 
 
-def _queue_range(start: int, count: int, size: int) -> list[tuple[int, int, int]]:
-    """Slots ``[start, start + count)`` of a circular queue of ``size`` as at most two slices:
-    ``(queue position, first slot, length)``."""
-    out, pos = [], 0
-    while pos < count:
-        first = (start + pos) % size
-        length = min(count - pos, size - first)
-        out.append((pos, first, length))
-        pos += length
-    return out
+def _take(queue: ctypes.Array | list[int], start: int, count: int) -> list[int]:
+    """Slots ``[start, start + count)`` of a circular queue (``start`` a monotone counter)."""
+    if not count:
+        return []
+    first = start % len(queue)
+    end = first + count
+    if end <= len(queue):
+        return queue[first:end]
+    return queue[first:] + queue[: end - len(queue)]
+
+
+def _put(queue: ctypes.Array | list[int], start: int, values: list[int]) -> None:
+    """Write ``values`` into slots ``[start, start + len(values))`` of a circular queue."""
+    if not values:
+        return
+    first = start % len(queue)
+    end = first + len(values)
+    if end <= len(queue):
+        queue[first:end] = values
+    else:
+        split = len(queue) - first
+        queue[first:] = values[:split]
+        queue[: end - len(queue)] = values[split:]
+
+
+# The layout's indices as plain ints: an IntEnum member costs ~80 ns a lookup and a stash+pop
+# made dozens (at 2k tokens the bookkeeping, not the rows, is what the reference spends on top
+# of a plain copy).
+_ROWS, _TIER, _POPPED = Meta.ROWS.value, Meta.TIER.value, Meta.POPPED.value
+_OVERFLOW, _HOST_SPILL, _INVALID = Flag.OVERFLOW.value, Flag.HOST_SPILL.value, Flag.INVALID.value
+_NONE, _DEVICE, _HOST = Tier.NONE.value, Tier.DEVICE.value, Tier.HOST.value
+# (head, tail, high-water mark) of each tier's free list in ``state``.
+_DEVICE_QUEUE = (State.HEAD.value, State.TAIL.value, State.HWM.value)
+_HOST_QUEUE = (State.HOST_HEAD.value, State.HOST_TAIL.value, State.HOST_HWM.value)
 
 
 def torch_stash_copy(
@@ -225,54 +307,45 @@ def torch_stash_copy(
     overflow too. After an overflow this is a no-op. ``rec_pages_M``/``rec_meta`` receive the
     record :func:`torch_stash_pop` needs.
     """
-    slots = -(-src_RH.shape[0] // page_size)
-    if rec_pages_M.numel() < slots:
+    max_rows = src_RH.shape[0]
+    if rec_pages_M.numel() * page_size < max_rows:
         raise ValueError(
-            f"rec_pages_M has {rec_pages_M.numel()} slots; {src_RH.shape[0]} rows of pages of "
-            f"{page_size} need {slots}"
+            f"rec_pages_M has {rec_pages_M.numel()} slots; {max_rows} rows of pages of "
+            f"{page_size} need {-(-max_rows // page_size)}"
         )
-    meta = _ints(rec_meta)
-    meta[Meta.ROWS], meta[Meta.TIER], meta[Meta.POPPED] = 0, int(Tier.NONE), 0
-    fl = _ints(flags)
-    if fl[Flag.OVERFLOW] != 0:
+    meta, fl = _ints(rec_meta), _ints(flags)
+    meta[_ROWS], meta[_TIER], meta[_POPPED] = 0, _NONE, 0
+    if fl[_OVERFLOW] != 0:
         _store(rec_meta, meta)
         return
-    n = int(num_tokens.reshape(-1)[0]) if num_tokens.numel() != 1 else int(num_tokens.item())
+    n = int(num_tokens.item()) if num_tokens.numel() == 1 else int(num_tokens.reshape(-1)[0])
     rows = -(-n // tokens_per_row)
     need = -(-rows // page_size)
     st = _ints(state)
-    if n < 0 or n > src_RH.shape[0] * tokens_per_row:  # more tokens than the static budget
-        fl[Flag.OVERFLOW] += 1
-        tier = Tier.NONE
-    elif need <= st[State.TAIL] - st[State.HEAD]:
-        tier, free, pool, head_i, tail_i, hwm_i = (
-            Tier.DEVICE, dev_free_P, dev_pool_NH, State.HEAD, State.TAIL, State.HWM
-        )  # fmt: skip
-    elif need <= st[State.HOST_TAIL] - st[State.HOST_HEAD]:
-        tier, free, pool, head_i, tail_i, hwm_i = (
-            Tier.HOST, host_free_P, host_pool_NH, State.HOST_HEAD, State.HOST_TAIL, State.HOST_HWM
-        )  # fmt: skip
+    tier = _NONE
+    if n < 0 or n > max_rows * tokens_per_row:  # more tokens than the static budget
+        fl[_OVERFLOW] += 1
+    elif need <= st[_DEVICE_QUEUE[1]] - st[_DEVICE_QUEUE[0]]:
+        tier, free, pool, (head_i, tail_i, hwm_i) = _DEVICE, dev_free_P, dev_pool_NH, _DEVICE_QUEUE
+    elif need <= st[_HOST_QUEUE[1]] - st[_HOST_QUEUE[0]]:
+        tier, free, pool, (head_i, tail_i, hwm_i) = _HOST, host_free_P, host_pool_NH, _HOST_QUEUE
         st[State.SPILLED] += 1
-        fl[Flag.HOST_SPILL] += 1
+        fl[_HOST_SPILL] += 1
     else:
-        fl[Flag.OVERFLOW] += 1
-        tier = Tier.NONE
+        fl[_OVERFLOW] += 1
 
-    if tier is not Tier.NONE:
+    if tier != _NONE:
         free_ints, rec = _ints(free), _ints(rec_pages_M)
-        pages: list[int] = []
-        for _, first, length in _queue_range(st[head_i], need, len(free_ints)):
-            pages += free_ints[first : first + length]
+        pages = _take(free_ints, st[head_i], need)
         rec[:need] = pages
         st[head_i] += need
-        in_use = len(free_ints) - (st[tail_i] - st[head_i])
-        st[hwm_i] = max(st[hwm_i], in_use)
+        st[hwm_i] = max(st[hwm_i], len(free_ints) - (st[tail_i] - st[head_i]))
         st[State.ROWS_STASHED] += rows
         _store(rec_pages_M, rec)  # before the move, which may read the page ids from it
-        _move_rows(rows, page_size, pages, rec_pages_M, pool, src_RH, to_pool=True)
-        meta[Meta.ROWS], meta[Meta.TIER] = rows, int(tier)
+        meta[_ROWS], meta[_TIER] = rows, tier
         _store(state, st)
-    if tier is not Tier.DEVICE:  # only a spill or an overflow changes the flags
+        _move_rows(rows, page_size, pages, rec_pages_M, pool, src_RH, to_pool=True)
+    if tier != _DEVICE:  # only a spill or an overflow changes the flags
         _store(flags, fl)
     _store(rec_meta, meta)
 
@@ -297,38 +370,36 @@ def torch_stash_pop(
     stale memory); otherwise they are left as they were. After an overflow the pool is left
     untouched and no row is read (all of ``dst_RH`` is padding).
     """
-    fl = _ints(flags)
-    overflowed = fl[Flag.OVERFLOW] != 0
-    meta = _ints(rec_meta)
-    rows, tier = meta[Meta.ROWS], Tier(meta[Meta.TIER])
-    popped_before = meta[Meta.POPPED] != 0
-    if popped_before:  # a second pop: its pages may belong to another tensor by now
-        fl[Flag.INVALID] += 1
+    fl, meta = _ints(flags), _ints(rec_meta)
+    rows, tier = meta[_ROWS], meta[_TIER]
+    if meta[_POPPED] != 0:  # a second pop: its pages may belong to another tensor by now
+        fl[_INVALID] += 1
         _store(flags, fl)
-        tier = Tier.NONE
-    if overflowed or tier is Tier.NONE:
+        tier = _NONE
+    if fl[_OVERFLOW] != 0 or tier == _NONE:
         rows = 0
     if rows > dst_RH.shape[0]:
         raise ValueError(f"record holds {rows} rows but dst_RH has only {dst_RH.shape[0]}")
     if zero_padding and rows < dst_RH.shape[0]:
         dst_RH[rows:].zero_()
-    if overflowed or tier is Tier.NONE:
+    if fl[_OVERFLOW] != 0 or tier == _NONE:
         return
-    meta[Meta.POPPED] = 1
+    meta[_POPPED] = 1
     _store(rec_meta, meta)
     need = -(-rows // page_size)
     pages = _ints(rec_pages_M)[:need]
-    if tier is Tier.DEVICE:
-        pool, free, tail_i = dev_pool_NH, dev_free_P, State.TAIL
+    if tier == _DEVICE:
+        pool, free, tail_i = dev_pool_NH, dev_free_P, _DEVICE_QUEUE[1]
     else:
-        pool, free, tail_i = host_pool_NH, host_free_P, State.HOST_TAIL
-    _move_rows(rows, page_size, pages, rec_pages_M, pool, dst_RH, to_pool=False)
+        pool, free, tail_i = host_pool_NH, host_free_P, _HOST_QUEUE[1]
+    # The pages go back to the free list before their rows are read: nothing runs in between
+    # on the host, and the move is then the last thing the pop does.
     st, free_ints = _ints(state), _ints(free)
-    for pos, first, length in _queue_range(st[tail_i], need, len(free_ints)):
-        free_ints[first : first + length] = pages[pos : pos + length]
+    _put(free_ints, st[tail_i], pages)
     st[tail_i] += need
     _store(free, free_ints)
     _store(state, st)
+    _move_rows(rows, page_size, pages, rec_pages_M, pool, dst_RH, to_pool=False)
 
 
 register_backend(StashBackend("torch", torch_stash_copy, torch_stash_pop, direct=True))

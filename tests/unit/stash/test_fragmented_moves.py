@@ -9,6 +9,7 @@ only) and once with the indexed path for every list of two runs or more (``_MAX_
 
 from __future__ import annotations
 
+import itertools
 import random
 from unittest import mock
 
@@ -237,3 +238,34 @@ def test_deterministic_mode_and_strided_bookkeeping_agree() -> None:
     finally:
         torch.use_deterministic_algorithms(was)
     _assert_same_states(before, _run(ops, **shape, limit=INDEXED, strided=True))
+
+
+@settings(max_examples=200, deadline=None)
+@given(pages=st.lists(st.integers(0, 40), unique=True, max_size=24),
+       limit=st.none() | st.integers(0, 6))  # fmt: skip
+def test_page_runs_split_a_list_into_maximal_runs(pages, limit) -> None:
+    runs = reference._page_runs(pages)
+    assert [p for _, first, n in runs for p in range(first, first + n)] == pages
+    assert [slot for slot, _, _ in runs] == [sum(n for *_, n in runs[:i]) for i in range(len(runs))]
+    # Maximal runs: none continues the one before it.
+    assert all(a[1] + a[2] != b[1] for a, b in itertools.pairwise(runs))
+    limited = reference._page_runs(pages, limit=limit)
+    # One run is one copy whatever the limit (limit 0: every list of two runs or more is None).
+    assert limited == (None if limit is not None and len(runs) > max(limit, 1) else runs)
+
+
+def test_pool_page_views_are_made_once_per_pool_and_follow_it() -> None:
+    views = reference._PageViews()
+    pool = torch.arange(8 * 4, dtype=torch.int16).view(8, 4)
+    first = views.get(pool, torch.int64, 2)
+    assert first.shape == (4, 2) and first.data_ptr() == pool.data_ptr()
+    assert views.get(pool, torch.int64, 2) is first  # made once
+    assert views.get(pool, torch.int32, 4) is not first  # another copy dtype: another view
+    pool.resize_(16, 4)  # a new row count (and maybe a new address): a new view over it
+    grown = views.get(pool, torch.int64, 2)
+    assert grown.shape == (8, 2) and grown.data_ptr() == pool.data_ptr()
+    pool.set_(torch.zeros(8, 4, dtype=torch.int16))  # another storage
+    assert views.get(pool, torch.int64, 2).data_ptr() == pool.data_ptr()
+    assert len(views) == 1
+    del pool, first, grown
+    assert len(views) == 0  # dropped with the pool tensor: its storage is not kept alive
