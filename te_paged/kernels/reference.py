@@ -139,13 +139,16 @@ class _PageViews:
     every stash and pop (~2 µs of the ~20 µs of host work a fragmented stash+pop costs). An
     entry is keyed by the pool tensor's identity, dropped when that tensor is freed, and used
     only while the tensor still has the address and row count it was made for (a ``resize_``
-    or ``set_`` makes a new one).
+    or ``set_`` makes a new one). Nothing is kept from inside ``torch.inference_mode``: a view
+    made there is an inference tensor, which no in-place op may write outside it.
     """
 
     def __init__(self) -> None:
         self._views: dict[int, tuple[weakref.ref, int, int, torch.dtype, int, torch.Tensor]] = {}
 
     def get(self, pool_NH: torch.Tensor, dtype: torch.dtype, page_elems: int) -> torch.Tensor:
+        if torch.is_inference_mode_enabled():  # such a view could not be written outside it
+            return pool_NH.view(dtype).view(-1, page_elems)
         key = id(pool_NH)
         entry = self._views.get(key)
         ptr, rows = pool_NH.data_ptr(), pool_NH.shape[0]

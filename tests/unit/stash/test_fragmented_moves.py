@@ -269,3 +269,15 @@ def test_pool_page_views_are_made_once_per_pool_and_follow_it() -> None:
     assert len(views) == 1
     del pool, first, grown
     assert len(views) == 0  # dropped with the pool tensor: its storage is not kept alive
+
+
+def test_a_page_view_made_in_inference_mode_is_not_kept() -> None:
+    # A view made under inference_mode is an inference tensor: kept, it would make every later
+    # stash of that pool outside inference mode fail.
+    views = reference._PageViews()
+    pool = torch.zeros(8, 4, dtype=torch.int16)
+    with torch.inference_mode():
+        views.get(pool, torch.int64, 2).index_put_((torch.tensor([1]),), torch.ones(1, 2).long())
+    assert len(views) == 0
+    views.get(pool, torch.int64, 2).index_put_((torch.tensor([2]),), torch.ones(1, 2).long())
+    assert pool[2:6].view(torch.int64).flatten().tolist() == [1, 1, 1, 1]
