@@ -12,28 +12,32 @@ On CPU the bookkeeping reads and writes the small int tensors in place through :
 (a ctypes array over the tensor's own memory), so that a stash costs its row copies plus a few
 microseconds, not the ~10 µs per tensor op a ``tolist``/``torch.tensor``/``copy_`` round trip
 costs: at 2k tokens of hidden 1024 that round trip was a third of the stash's time. What is left
-is host work the rows cannot hide at small sizes: a stash+pop costs ~24 µs on a fresh pool and
-~34 µs on a fragmented one before it moves a byte (2k tokens of hidden 8), and 1.7–3× that
-right after a large copy has flushed the caches.
+is host work the rows cannot hide at small sizes: ~22 µs a stash+pop with the compiled mover,
+24–34 µs with the torch ops (2k tokens of hidden 8), and 1.7–3× that right after a large copy
+has flushed the caches.
 
-Rows move by runs of consecutive pages, one ``copy_`` each, while a tensor's page list has at
-most :data:`_MAX_RUN_COPIES` runs (a fresh pool hands out one run; a 1F1B schedule leaves two or
-three). A more fragmented list moves its whole pages with one indexed op each way instead —
-``index_put_`` into the pool, ``index_select``/``index`` back — over the pages viewed as rows of
-16-byte elements (:func:`_move_pages`): on a pool whose free pages alternate, the page-by-page
-``copy_`` reached 0.3–0.7 of a plain copy, the indexed ops reach 0.96–1.03 of it from 16k tokens
-up (``te-paged bench``, ``benchmarks/results/``). Which pages a tensor gets never depends on how
-its rows move.
+Rows move on CPU by a compiled ``memcpy`` loop over the pages (:mod:`te_paged.kernels.native`,
+built on first use with the system C compiler), one call per stash or pop whatever the page
+list. Elsewhere, or without it, they move by runs of consecutive pages, one ``copy_`` each,
+while a tensor's page list has at most :data:`_MAX_RUN_COPIES` runs (a fresh pool hands out one
+run; a 1F1B schedule leaves two or three), and a more fragmented list moves its whole pages with
+one indexed op each way (:func:`_move_pages`) — ``index_put_`` into the pool,
+``index_select``/``index`` back — over the pages viewed as rows of 16-byte elements. On a pool
+whose free pages alternate the page-by-page ``copy_`` reached 0.3–0.7 of a plain copy, the
+indexed ops 0.71 at 2k tokens of hidden 2048 (0.96–1.03 from 16k tokens up), the mover 0.85–0.87
+there (``te-paged bench``, ``benchmarks/results/``). Which pages a tensor gets never depends on
+how its rows move.
 """
 
 from __future__ import annotations
 
 import ctypes
 import itertools
-import weakref
+from collections.abc import Callable
 
 import torch
 
+from te_paged.kernels import native
 from te_paged.kernels.backends import StashBackend, register_backend
 from te_paged.kernels.layout import Flag, Meta, State, Tier
 
@@ -72,6 +76,10 @@ def _store(t: torch.Tensor, values: ctypes.Array | list[int]) -> None:
 # its own, which stalls for a scheduler tick whenever another process holds a core; a fresh
 # pool's one run, or the two or three a 1F1B schedule leaves, are still cheaper as slices.
 _MAX_RUN_COPIES = 4
+
+# Whether rows on CPU move by the compiled mover where it can be had (tests switch it off to
+# compare the ways).
+_NATIVE = True
 
 # index_select's CPU kernel memcpys slices of fewer elements than ATen's grain size (32768) in
 # one parallel loop: stash+pop 10–20 % faster than with index at 2k tokens of hidden 1024–2048.
@@ -132,49 +140,6 @@ def _copy_dtype(pool_NH: torch.Tensor, buf_RH: torch.Tensor) -> torch.dtype | No
     return None
 
 
-class _PageViews:
-    """Each pool viewed as rows of whole pages of a copy dtype, made once per pool tensor.
-
-    Pools live for the whole run, so :func:`_move_pages` need not make the two views again on
-    every stash and pop (~2 µs of the ~20 µs of host work a fragmented stash+pop costs). An
-    entry is keyed by the pool tensor's identity, dropped when that tensor is freed, and used
-    only while the tensor still has the address and row count it was made for (a ``resize_``
-    or ``set_`` makes a new one). Nothing is kept from inside ``torch.inference_mode``: a view
-    made there is an inference tensor, which no in-place op may write outside it.
-    """
-
-    def __init__(self) -> None:
-        self._views: dict[int, tuple[weakref.ref, int, int, torch.dtype, int, torch.Tensor]] = {}
-
-    def get(self, pool_NH: torch.Tensor, dtype: torch.dtype, page_elems: int) -> torch.Tensor:
-        if torch.is_inference_mode_enabled():  # such a view could not be written outside it
-            return pool_NH.view(dtype).view(-1, page_elems)
-        key = id(pool_NH)
-        entry = self._views.get(key)
-        ptr, rows = pool_NH.data_ptr(), pool_NH.shape[0]
-        if entry is not None and entry[0]() is pool_NH and entry[1:5] == (ptr, rows, dtype,
-                                                                          page_elems):  # fmt: skip
-            return entry[5]
-        view = pool_NH.view(dtype).view(-1, page_elems)
-        self._views[key] = (weakref.ref(pool_NH, self._forget(key)), ptr, rows, dtype,
-                            page_elems, view)  # fmt: skip
-        return view
-
-    def _forget(self, key: int):
-        def forget(ref: weakref.ref) -> None:
-            entry = self._views.get(key)
-            if entry is not None and entry[0] is ref:  # not a newer tensor's entry under the id
-                del self._views[key]
-
-        return forget
-
-    def __len__(self) -> int:
-        return len(self._views)
-
-
-_POOL_PAGES = _PageViews()
-
-
 def _move_pages(
     rows: int,
     page_size: int,
@@ -200,7 +165,7 @@ def _move_pages(
         if index.device != pool_NH.device:
             index = index.to(pool_NH.device)
         page_elems = page_size * buf_RH.shape[1] * buf_RH.element_size() // dtype.itemsize
-        pool_PX = _POOL_PAGES.get(pool_NH, dtype, page_elems)
+        pool_PX = pool_NH.view(dtype).view(-1, page_elems)
         # as_strided keeps the buffer's storage offset: its first ``whole`` pages' worth of rows
         # in one call instead of a slice and two views.
         buf_PX = buf_RH.view(dtype).as_strided((whole, page_elems), (page_elems, 1))
@@ -227,8 +192,13 @@ def _move_rows(
     to_pool: bool,
 ) -> None:
     """Move ``rows`` rows between ``buf_RH`` and the pages ``pages`` (also the first entries of
-    ``rec_pages_M``): a ``copy_`` per run of consecutive pages, or, for a list of more runs than
-    :data:`_MAX_RUN_COPIES`, :func:`_move_pages`. Either leaves the same bytes everywhere."""
+    ``rec_pages_M``): on CPU by the compiled mover in one call (:func:`_move_native`), else a
+    ``copy_`` per run of consecutive pages or, for a list of more runs than
+    :data:`_MAX_RUN_COPIES`, :func:`_move_pages`. Every way leaves the same bytes everywhere."""
+    mover = _mover_for(pool_NH, buf_RH)
+    if mover is not None:
+        _move_native(mover, rows, page_size, pages, rec_pages_M, pool_NH, buf_RH, to_pool)
+        return
     runs = _page_runs(pages, limit=_MAX_RUN_COPIES)
     if runs is None:
         dtype = _copy_dtype(pool_NH, buf_RH)
@@ -241,6 +211,53 @@ def _move_rows(
         r0 = slot * page_size
         n = min(length * page_size, rows - r0)
         _copy_slice(pool_NH, buf_RH, page * page_size, r0, n, to_pool=to_pool)
+
+
+def _mover_for(pool_NH: torch.Tensor, buf_RH: torch.Tensor) -> Callable[..., None] | None:
+    """The compiled mover where it applies: both tensors on CPU, contiguous, of one dtype and
+    row width (anything else takes the torch ops, which also say what is wrong)."""
+    if not (_NATIVE and pool_NH.is_cpu and buf_RH.is_cpu):
+        return None
+    if (
+        pool_NH.dtype != buf_RH.dtype
+        or pool_NH.shape[1:] != buf_RH.shape[1:]
+        or not (pool_NH.is_contiguous() and buf_RH.is_contiguous())
+    ):
+        return None
+    return native.page_mover()
+
+
+def _move_native(
+    mover: Callable[..., None],
+    rows: int,
+    page_size: int,
+    pages: list[int],
+    rec_pages_M: torch.Tensor,
+    pool_NH: torch.Tensor,
+    buf_RH: torch.Tensor,
+    to_pool: bool,
+) -> None:
+    """``rows`` rows in one call of the compiled mover: the whole pages, then the last
+    ``rows % S`` rows as the tail of page ``pages[rows // S]``, on torch's threads."""
+    whole, tail = divmod(rows, page_size)
+    need = whole + (tail > 0)
+    if not need:
+        return
+    # The mover trusts its arguments: check here what the torch ops would have refused.
+    ids_used, num_pages = pages[:need], pool_NH.shape[0] // page_size
+    if len(ids_used) < need or min(ids_used) < 0 or max(ids_used) >= num_pages:
+        raise ValueError(f"page ids {ids_used} for {rows} rows are not {need} pages of a pool of "
+                         f"{num_pages}")  # fmt: skip
+    if rows > buf_RH.shape[0]:
+        raise ValueError(f"{rows} rows to move but the buffer has {buf_RH.shape[0]}")
+    if rec_pages_M.is_cpu and rec_pages_M.is_contiguous() and rec_pages_M.dtype == torch.int32:
+        ids = rec_pages_M.data_ptr()  # the record's own int32 page ids
+    else:  # bookkeeping elsewhere: the ids as a host array, alive until the call returns
+        ids_M = (ctypes.c_int32 * need)(*ids_used)
+        ids = ctypes.addressof(ids_M)
+    row_bytes = buf_RH.shape[1] * buf_RH.element_size()
+    mover(pool_NH.data_ptr(), buf_RH.data_ptr(), ids, whole, page_size * row_bytes,
+          tail * row_bytes, to_pool, torch.get_num_threads())  # fmt: skip
 
 
 def _copy_slice(

@@ -46,6 +46,7 @@ from te_paged.kernels import (
     stash_copy,
     stash_pop,
 )
+from te_paged.kernels.native import page_mover_status
 from te_paged.stash import storage_dtype
 from te_paged.tools.free_lists import FreeList, PreparedFreeList, prepare_free_list
 
@@ -374,7 +375,17 @@ def stash_report(
     ]
     for b in timed:
         mine = [r for r in rows if r.backend == b.name]
-        lines += ["", f"## Backend {b.name}", "", "Worst ratio over the grid:", ""]
+        lines += ["", f"## Backend {b.name}", ""]
+        if b.name == KernelBackend.TORCH.value and dev.type == "cpu":
+            mover = page_mover_status()
+            lines += [
+                "Rows moved by "
+                + (f"the compiled page mover (`te_paged/kernels/native.py`: {mover.reason})."
+                   if mover.available else
+                   f"torch ops: the compiled page mover is unavailable ({mover.reason})."),
+                "",
+            ]  # fmt: skip
+        lines += ["Worst ratio over the grid:", ""]
         lines += _summary(mine)
         lines += [
             "",

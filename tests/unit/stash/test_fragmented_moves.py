@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from te_paged.kernels import reference
+from te_paged.kernels import native, reference
 from te_paged.stash import PagedStashBuffer, StashKey, storage_dtype
 
 from .conftest import KernelHarness, random_bits
@@ -48,12 +48,14 @@ def _spy():
     return mock.patch.object(reference, "_move_pages", wraps=reference._move_pages)
 
 
-def _run(ops, *, dtype, hidden, page_size, pages, host_pages, limit, strided=False):
+def _run(ops, *, dtype, hidden, page_size, pages, host_pages, limit, strided=False, native=True):
     """Apply ``ops`` — ``("stash", max_rows, tokens, tokens_per_row, seed)`` or ``("pop",
-    index, zero_padding)`` — with ``_MAX_RUN_COPIES = limit``; return every tensor after each
-    op (records, popped rows, then the pool's and the flags)."""
-    old = reference._MAX_RUN_COPIES
-    reference._MAX_RUN_COPIES = limit
+    index, zero_padding)`` — with ``_MAX_RUN_COPIES = limit`` and the compiled page mover on or
+    off; return every tensor after each op (records, popped rows, then the pool's and the
+    flags)."""
+    old = reference._MAX_RUN_COPIES, reference._NATIVE
+    # Slices only: the torch path (the compiled mover takes every list in one call).
+    reference._MAX_RUN_COPIES, reference._NATIVE = limit, native and limit != SLICES_ONLY
     try:
         buf = PagedStashBuffer(StashKey(dtype, hidden), pages, page_size, "cpu", host_pages)
         h = KernelHarness(buf, strided=strided)
@@ -72,7 +74,7 @@ def _run(ops, *, dtype, hidden, page_size, pages, host_pages, limit, strided=Fal
             states.append((snapshot, out))
         return states
     finally:
-        reference._MAX_RUN_COPIES = old
+        reference._MAX_RUN_COPIES, reference._NATIVE = old
 
 
 def _assert_same_states(a, b) -> None:
@@ -116,9 +118,11 @@ def test_random_fragmented_sequences_match_slice_copies(case) -> None:
     with _spy() as spy:
         before = _run(ops, **shape, limit=SLICES_ONLY)
         assert spy.call_count == 0
-        after = _run(ops, **shape, limit=INDEXED)
+        by_torch = _run(ops, **shape, limit=INDEXED, native=False)
+        by_mover = _run(ops, **shape, limit=INDEXED)  # the compiled mover, where it builds
     event(f"indexed moves: {'some' if spy.call_count else 'none'}")
-    _assert_same_states(before, after)
+    _assert_same_states(before, by_torch)
+    _assert_same_states(before, by_mover)
 
 
 def _alternating(page_size: int, pages: int, hidden: int, dtype: torch.dtype, seed: int = 0):
@@ -140,14 +144,17 @@ def test_every_copy_dtype_round_trips_on_an_alternating_pool(copy_dtype) -> None
     shape = dict(dtype=dtype, hidden=hidden, page_size=3, pages=12, host_pages=0)
     with _spy() as spy:
         before = _run(ops, **shape, limit=SLICES_ONLY)
-        after = _run(ops, **shape, limit=INDEXED)
+        after = _run(ops, **shape, limit=INDEXED, native=False)
     assert spy.call_count == 4  # the two 6-run stashes and their pops
     _assert_same_states(before, after)
+    _assert_same_states(before, _run(ops, **shape, limit=INDEXED))
 
 
-def test_the_alternating_pages_and_the_rows_they_hold(make_harness) -> None:
+@pytest.mark.parametrize("use_mover", [True, False], ids=["mover", "torch"])
+def test_the_alternating_pages_and_the_rows_they_hold(make_harness, monkeypatch, use_mover):
     # 12 pages of 2 rows, pages 1 3 5 ... 11 held: an 11-row tensor takes pages 0 2 4 6 8 10
     # (six runs, the last page half full) and its rows land there, page by page.
+    monkeypatch.setattr(reference, "_NATIVE", use_mover)
     h = make_harness(dtype=torch.float32, hidden=4, pages=12, page_size=2)
     ones = [h.stash(torch.randn(2, 4), 2) for _ in range(12)]
     for record in ones[::2]:
@@ -155,7 +162,7 @@ def test_the_alternating_pages_and_the_rows_they_hold(make_harness) -> None:
     x = torch.randn(12, 4)
     with _spy() as spy:
         record = h.stash(x, 11)
-    assert spy.call_count == 1
+    assert spy.call_count == (not use_mover or native.page_mover() is None)
     pages = [0, 2, 4, 6, 8, 10]
     assert record[0][:6].tolist() == pages
     pool = h.buffer.pool_NH.view(torch.float32)
@@ -185,7 +192,9 @@ def test_nan_payloads_survive_the_complex128_view() -> None:
     assert _bits_equal(h.pop(record, x), x)
 
 
-def test_misaligned_or_strided_buffers_fall_back(monkeypatch) -> None:
+@pytest.mark.parametrize("use_mover", [True, False], ids=["mover", "torch"])
+def test_misaligned_or_strided_buffers_fall_back(monkeypatch, use_mover) -> None:
+    monkeypatch.setattr(reference, "_NATIVE", use_mover)
     # A buffer two bytes off a 16-byte boundary moves as int16 rows; a strided one as slices.
     flat = torch.zeros(1 + 6 * 8, dtype=torch.int16)
     shifted = flat[1:].view(6, 8)
@@ -218,7 +227,8 @@ def test_gather_by_index_when_a_page_is_over_the_memcpy_grain(monkeypatch) -> No
     monkeypatch.setattr(reference, "_MEMCPY_SLICE_ELEMS", 2)
     shape = dict(dtype=torch.bfloat16, hidden=8, page_size=2, pages=12, host_pages=0)
     ops = [*_alternating(2, 12, 8, torch.bfloat16), ("stash", 11, 11, 1, 5), ("pop", 6, True)]
-    _assert_same_states(_run(ops, **shape, limit=SLICES_ONLY), _run(ops, **shape, limit=INDEXED))
+    _assert_same_states(_run(ops, **shape, limit=SLICES_ONLY),
+                        _run(ops, **shape, limit=INDEXED, native=False))  # fmt: skip
 
 
 def test_deterministic_mode_and_strided_bookkeeping_agree() -> None:
@@ -234,10 +244,12 @@ def test_deterministic_mode_and_strided_bookkeeping_agree() -> None:
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        _assert_same_states(before, _run(ops, **shape, limit=INDEXED))
+        _assert_same_states(before, _run(ops, **shape, limit=INDEXED, native=False))
     finally:
         torch.use_deterministic_algorithms(was)
+    # Strided records: the compiled mover gets the page ids as a host array instead.
     _assert_same_states(before, _run(ops, **shape, limit=INDEXED, strided=True))
+    _assert_same_states(before, _run(ops, **shape, limit=INDEXED, strided=True, native=False))
 
 
 @settings(max_examples=200, deadline=None)
@@ -254,30 +266,20 @@ def test_page_runs_split_a_list_into_maximal_runs(pages, limit) -> None:
     assert limited == (None if limit is not None and len(runs) > max(limit, 1) else runs)
 
 
-def test_pool_page_views_are_made_once_per_pool_and_follow_it() -> None:
-    views = reference._PageViews()
-    pool = torch.arange(8 * 4, dtype=torch.int16).view(8, 4)
-    first = views.get(pool, torch.int64, 2)
-    assert first.shape == (4, 2) and first.data_ptr() == pool.data_ptr()
-    assert views.get(pool, torch.int64, 2) is first  # made once
-    assert views.get(pool, torch.int32, 4) is not first  # another copy dtype: another view
-    pool.resize_(16, 4)  # a new row count (and maybe a new address): a new view over it
-    grown = views.get(pool, torch.int64, 2)
-    assert grown.shape == (8, 2) and grown.data_ptr() == pool.data_ptr()
-    pool.set_(torch.zeros(8, 4, dtype=torch.int16))  # another storage
-    assert views.get(pool, torch.int64, 2).data_ptr() == pool.data_ptr()
-    assert len(views) == 1
-    del pool, first, grown
-    assert len(views) == 0  # dropped with the pool tensor: its storage is not kept alive
-
-
-def test_a_page_view_made_in_inference_mode_is_not_kept() -> None:
-    # A view made under inference_mode is an inference tensor: kept, it would make every later
-    # stash of that pool outside inference mode fail.
-    views = reference._PageViews()
-    pool = torch.zeros(8, 4, dtype=torch.int16)
-    with torch.inference_mode():
-        views.get(pool, torch.int64, 2).index_put_((torch.tensor([1]),), torch.ones(1, 2).long())
-    assert len(views) == 0
-    views.get(pool, torch.int64, 2).index_put_((torch.tensor([2]),), torch.ones(1, 2).long())
-    assert pool[2:6].view(torch.int64).flatten().tolist() == [1, 1, 1, 1]
+def test_the_compiled_mover_moves_every_stash_and_pop_on_cpu(monkeypatch) -> None:
+    # Where a C compiler is found the mover builds, and each stash and pop goes through it in
+    # one call, tail included (the comparisons above would pass with it never called).
+    status = native.page_mover_status()
+    assert status.available == (native._compiler() is not None), status.reason
+    if not status.available:
+        return  # no compiler here: the torch ops moved every page in the tests above
+    calls = []
+    mover = native.page_mover()
+    monkeypatch.setattr(native, "page_mover", lambda: lambda *a: (calls.append(a), mover(*a)))
+    shape = dict(dtype=torch.bfloat16, hidden=8, page_size=2, pages=12, host_pages=0)
+    ops = [*_alternating(2, 12, 8, torch.bfloat16), ("stash", 11, 11, 1, 5), ("pop", 6, True)]
+    after = _run(ops, **shape, limit=INDEXED)
+    # 12 one-page stashes and 6 pops, then 5 whole pages + 1 of 2 rows (of 16 bytes) each way.
+    assert [(a[3], a[5], a[6]) for a in calls[18:]] == [(5, 16, True), (5, 16, False)]
+    assert len(calls) == 20 and all(a[3:6] == (1, 32, 0) for a in calls[:18])
+    _assert_same_states(_run(ops, **shape, limit=SLICES_ONLY), after)
