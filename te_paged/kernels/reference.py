@@ -124,11 +124,7 @@ def _copy_dtype(pool_NH: torch.Tensor, buf_RH: torch.Tensor) -> torch.dtype | No
     """The widest of :data:`_COPY_DTYPES` that a row's bytes and both tensors' addresses are a
     multiple of, or None where only slice copies apply: different dtypes or devices (the host
     tier of a CUDA pool), a strided buffer, empty rows."""
-    if (
-        pool_NH.dtype != buf_RH.dtype
-        or pool_NH.device != buf_RH.device
-        or not (pool_NH.is_contiguous() and buf_RH.is_contiguous())
-    ):
+    if not _plain_rows(pool_NH, buf_RH):
         return None
     row_bytes = buf_RH.shape[1] * buf_RH.element_size()
     # The row's bytes and both addresses (data_ptr includes the storage offset), or-ed: a power
@@ -216,15 +212,21 @@ def _move_rows(
 def _mover_for(pool_NH: torch.Tensor, buf_RH: torch.Tensor) -> Callable[..., None] | None:
     """The compiled mover where it applies: both tensors on CPU, contiguous, of one dtype and
     row width (anything else takes the torch ops, which also say what is wrong)."""
-    if not (_NATIVE and pool_NH.is_cpu and buf_RH.is_cpu):
-        return None
-    if (
-        pool_NH.dtype != buf_RH.dtype
-        or pool_NH.shape[1:] != buf_RH.shape[1:]
-        or not (pool_NH.is_contiguous() and buf_RH.is_contiguous())
-    ):
+    if not (_NATIVE and pool_NH.is_cpu and _plain_rows(pool_NH, buf_RH)):
         return None
     return native.page_mover()
+
+
+def _plain_rows(pool_NH: torch.Tensor, buf_RH: torch.Tensor) -> bool:
+    """Whether rows move as plain bytes between the two: one dtype, device and row width, both
+    contiguous (row ``r`` of either starts ``r`` rows' bytes past its data pointer)."""
+    return (
+        pool_NH.dtype == buf_RH.dtype
+        and pool_NH.device == buf_RH.device
+        and pool_NH.shape[1:] == buf_RH.shape[1:]
+        and pool_NH.is_contiguous()
+        and buf_RH.is_contiguous()
+    )
 
 
 def _move_native(

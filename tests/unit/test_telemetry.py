@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from te_paged import PagedStashManager, mark_grouped_tensor, telemetry
+from tests.saving import Keep
 
 
 def test_nvtx_range_is_a_noop_without_nvtx(monkeypatch) -> None:
@@ -40,17 +41,6 @@ def test_nvtx_range_uses_the_nvtx_package(monkeypatch) -> None:
     finally:
         telemetry._nvtx.cache_clear()
     assert seen == [("te_paged.stash", "te_paged")]
-
-
-class Keep(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        return g + 0 * ctx.saved_tensors[0]
 
 
 def test_timeline_tracks_pages_rows_and_fragmentation() -> None:

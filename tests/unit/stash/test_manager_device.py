@@ -13,17 +13,7 @@ import torch
 
 from te_paged import MoEConfig, PagedStashManager, TEGroupedMLP, mark_grouped_tensor
 from te_paged.stash import manager as manager_module
-
-
-class Keep(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        return g + 0 * ctx.saved_tensors[0]
+from tests.saving import Keep
 
 
 def _config() -> MoEConfig:

@@ -7,19 +7,9 @@ import logging
 import torch
 
 from te_paged import PagedStashManager, mark_grouped_tensor
+from tests.saving import Keep
 
 LOGGER = "te_paged.stash.manager"
-
-
-class Keep(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        return g + 0 * ctx.saved_tensors[0]
 
 
 def _step(manager: PagedStashManager) -> None:
