@@ -338,8 +338,9 @@ class MoEConfig:
         # (field, may be None, lower bound, bound is strict, example of a good value)
         reals: tuple[tuple[str, bool, float, bool, str], ...] = (
             ("moe_expert_rank_capacity_factor", True, 0.0, True, "1.5"),
-            ("moe_paged_stash_buffer_size_factor_cuda", False, 0.0, False, "1.10"),
-            ("moe_paged_stash_buffer_size_factor_cpu", False, 0.0, False, "0.0"),
+            # Megatron's sign convention: > 0 × the balanced peak, < 0 × the observed peak.
+            ("moe_paged_stash_buffer_size_factor_cuda", False, -math.inf, False, "1.10"),
+            ("moe_paged_stash_buffer_size_factor_cpu", False, -math.inf, False, "0.0"),
             ("activation_func_clamp_value", True, 0.0, True, "7.0"),
             ("glu_linear_offset", False, -math.inf, False, "0.0"),
         )
@@ -357,8 +358,9 @@ class MoEConfig:
         if self.moe_paged_stash and self.moe_paged_stash_buffer_size_factor_cuda == 0:
             problems.append(
                 "moe_paged_stash=True with moe_paged_stash_buffer_size_factor_cuda=0 leaves no "
-                "device pages, so every stash would spill or overflow; set it > 0 (default 1.10) "
-                "or moe_paged_stash=False"
+                "device pages, so every stash would spill or overflow; set it > 0 (x the "
+                "balanced peak, default 1.10), < 0 (x the capture step's observed peak, e.g. "
+                "-1.2) or moe_paged_stash=False"
             )
 
     def _check_activation(self, problems: list[str]) -> None:

@@ -37,7 +37,6 @@ import dataclasses
 import enum
 import functools
 import logging
-import math
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -50,7 +49,6 @@ from te_paged.config.checks import (
     require_bool,
     require_device,
     require_int,
-    require_real,
 )
 from te_paged.kernels import KernelBackend, backend_choices, resolve_backend, stash_copy, stash_pop
 from te_paged.kernels.layout import FLAGS_LEN, META_LEN, Flag, Meta, State, Tier
@@ -60,6 +58,7 @@ from te_paged.markers import (
     is_checkpoint_without_output_tensor,
 )
 from te_paged.stash.buffer import PagedStashBuffer, StashKey, storage_dtype
+from te_paged.stash.sizing import check_factor, describe_factor, pool_pages
 from te_paged.stash.streams import COMPUTE, PACK, UNPACK, CudaStreams, Streams
 from te_paged.telemetry import TimelineEvent, nvtx_range
 
@@ -86,6 +85,8 @@ class StashMode(enum.Enum):
 class _Peak:
     live_rows: int = 0
     peak_rows: int = 0
+    live_pages: int = 0  # each live tensor's real rows in whole pages (a negative factor's peak)
+    peak_pages: int = 0
     live_balanced: int = 0
     peak_balanced: int = 0
     live_balanced_pages: int = 0
@@ -113,6 +114,7 @@ class StashStats:
     capture_peak_rows: dict[str, int]
     capture_peak_balanced_rows: dict[str, int]
     capture_peak_balanced_pages: dict[str, int]
+    capture_peak_pages: dict[str, int]  # observed: the real rows in whole pages
 
 
 class _Group:
@@ -194,10 +196,14 @@ class PagedStashManager:
         reload_lookahead: int = 1,
     ) -> None:
         page_size = require_int("page_size", page_size, minimum=1)
-        buffer_size_factor_cuda = require_real(
-            "buffer_size_factor_cuda", buffer_size_factor_cuda, strict=True
-        )  # 0 device pages: every stash would spill or overflow
-        buffer_size_factor_cpu = require_real("buffer_size_factor_cpu", buffer_size_factor_cpu)
+        # Megatron's sign convention: > 0 sizes from the balanced peak, < 0 from the observed one
+        # (te_paged/stash/sizing.py); 0 device pages: every stash would spill or overflow.
+        buffer_size_factor_cuda = check_factor(
+            "buffer_size_factor_cuda", buffer_size_factor_cuda, zero_ok=False
+        )
+        buffer_size_factor_cpu = check_factor(
+            "buffer_size_factor_cpu", buffer_size_factor_cpu, zero_ok=True
+        )
         device = _current_device() if device is None else require_device("device", device)
         if device.type == "cuda" and device.index is None:
             # Compared with tensors' devices, which always carry an index.
@@ -323,7 +329,8 @@ class PagedStashManager:
         if self.timeline is not None:
             self.timeline.clear()
         for peak in self._peaks.values():
-            peak.live_rows = peak.live_balanced = peak.live_balanced_pages = 0
+            peak.live_rows = peak.live_pages = 0
+            peak.live_balanced = peak.live_balanced_pages = 0
 
     def release(self) -> None:
         """Free every pool (e.g. before a dropless rerun); the next ``reset()`` reallocates them
@@ -351,15 +358,18 @@ class PagedStashManager:
             self._streams.wait(COMPUTE, self._last_side[stream], "join")
 
     def pool_pages_for(self, key: StashKey) -> tuple[int, int]:
-        """``(device pages, host pages)`` the pool of ``key`` gets from the captured peak.
+        """``(device pages, host pages)`` the pool of ``key`` gets from the captured peaks.
 
-        The peak is counted in pages (each live tensor's balanced rows rounded up to whole
-        pages), not rows: a tensor always occupies whole pages, so a rows-based size
+        Each factor's sign chooses the peak (Megatron's convention, see
+        :mod:`te_paged.stash.sizing`): positive, the balanced-case peak; negative, the capture
+        step's observed peak. Peaks are counted in pages (each live tensor's rows rounded up to
+        whole pages), not rows: a tensor always occupies whole pages, so a rows-based size
         undercounts whenever tensors are small against the page size.
         """
-        peak = self._peaks[key].peak_balanced_pages
-        dev = max(1, math.ceil(self.buffer_size_factor_cuda * peak))
-        host = math.ceil(self.buffer_size_factor_cpu * peak)
+        peak = self._peaks[key]
+        balanced, observed = peak.peak_balanced_pages, peak.peak_pages
+        dev = max(1, pool_pages(self.buffer_size_factor_cuda, balanced, observed))
+        host = pool_pages(self.buffer_size_factor_cpu, balanced, observed)
         return dev, host
 
     def _allocate(self) -> None:
@@ -387,8 +397,9 @@ class PagedStashManager:
             pools.append(
                 f"{b.key}: {b.num_pages} pages of {self.page_size} rows, "
                 f"{b.pool_bytes / _MIB:.2f} MiB (capture peak "
-                f"{self._peaks[b.key].peak_balanced_pages} balanced pages x "
-                f"buffer_size_factor_cuda {self.buffer_size_factor_cuda:g}{host})"
+                f"{self._peaks[b.key].peak_balanced_pages} balanced / "
+                f"{self._peaks[b.key].peak_pages} observed pages; buffer_size_factor_cuda "
+                f"{describe_factor(self.buffer_size_factor_cuda)}{host})"
             )
         total = sum(b.pool_bytes + b.host_pool_bytes for b in new) / _MIB
         where = str(self.device)
@@ -616,9 +627,11 @@ class PagedStashManager:
         balanced = min(max_rows, -(-scope.avg_num_tokens // kind.tokens_per_row))
         peak = self._peaks.setdefault(key, _Peak())
         peak.live_rows += rows
+        peak.live_pages += -(-rows // self.page_size)
         peak.live_balanced += balanced
         peak.live_balanced_pages += -(-balanced // self.page_size)
         peak.peak_rows = max(peak.peak_rows, peak.live_rows)
+        peak.peak_pages = max(peak.peak_pages, peak.live_pages)
         peak.peak_balanced = max(peak.peak_balanced, peak.live_balanced)
         peak.peak_balanced_pages = max(peak.peak_balanced_pages, peak.live_balanced_pages)
         handle = _Captured(
@@ -672,6 +685,7 @@ class PagedStashManager:
                     out_RH[handle.rows :].zero_()
                 peak = self._peaks[handle.key]
                 peak.live_rows -= handle.rows
+                peak.live_pages -= -(-handle.rows // self.page_size)
                 peak.live_balanced -= handle.balanced
                 peak.live_balanced_pages -= -(-handle.balanced // self.page_size)
                 handle.rows_RH = None
@@ -787,6 +801,7 @@ class PagedStashManager:
             capture_peak_balanced_pages={
                 str(k): p.peak_balanced_pages for k, p in self._peaks.items()
             },
+            capture_peak_pages={str(k): p.peak_pages for k, p in self._peaks.items()},
         )
 
 

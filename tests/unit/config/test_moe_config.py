@@ -103,6 +103,9 @@ def test_defaults() -> None:
             id="other_offload_and_small_capacity",
         ),
         pytest.param({"moe_paged_stash_buffer_size_factor_cpu": 0.5}, id="host_tier"),
+        # Megatron's sign convention: negative factors size from the observed peak.
+        pytest.param({"moe_paged_stash_buffer_size_factor_cuda": -1.2}, id="observed_peak"),
+        pytest.param({"moe_paged_stash_buffer_size_factor_cpu": -0.5}, id="observed_host_tier"),
     ],
 )
 def test_valid_paged_stash_configs(kwargs: dict[str, Any]) -> None:
@@ -204,7 +207,7 @@ REJECTIONS = [
         "paged_cuda_factor_0",
         {**PAGED, "moe_paged_stash_buffer_size_factor_cuda": 0.0},
         "moe_paged_stash_buffer_size_factor_cuda=0",
-        r"set it > 0 \(default 1\.10\)",
+        r"set it > 0 \(x the balanced peak, default 1\.10\), < 0",
     ),
     *[
         _rejection(
@@ -218,8 +221,14 @@ REJECTIONS = [
             "moe_paged_stash_buffer_size_factor_cpu",
             "moe_expert_rank_capacity_factor",
         )
-        for value in (-0.5, math.nan, math.inf)
+        for value in (math.nan, math.inf)
     ],
+    _rejection(
+        "capacity_factor_negative",
+        {"moe_expert_rank_capacity_factor": -0.5},
+        "moe_expert_rank_capacity_factor must be .*finite number > 0",
+        re.escape("got -0.5"),
+    ),
     _rejection(
         "capacity_factor_0",
         {"moe_expert_rank_capacity_factor": 0.0},

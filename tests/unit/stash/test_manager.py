@@ -105,6 +105,45 @@ def test_capture_learns_peaks_and_next_reset_allocates_once() -> None:
         assert manager.buffers[buffer.key] is buffer and buffer.pool_NH.data_ptr() == ptr
 
 
+@pytest.mark.parametrize(
+    ("factor", "pages"),
+    [
+        # Megatron's sign convention (te_paged/stash/sizing.py). Three layers live at once,
+        # 17 real and 20 balanced rows each, pages of 8: balanced peak 3 x 3 = 9 pages,
+        # observed peak 3 x 3 = 9 pages too; so use a page size that tells them apart below.
+        (1.5, math.ceil(1.5 * 3 * math.ceil(20 / 6))),  # x the balanced peak: 18
+        (-1.5, math.ceil(1.5 * 3 * math.ceil(17 / 6))),  # x the observed peak: 14
+        (-1.0, 3 * math.ceil(17 / 6)),  # exactly what the capture step held: 9
+    ],
+)
+def test_the_factors_sign_chooses_the_balanced_or_the_observed_peak(
+    factor: float, pages: int
+) -> None:
+    manager = PagedStashManager(page_size=6, buffer_size_factor_cuda=factor)
+    run_model(manager, 0)
+    stats = manager.stats()
+    assert stats.capture_peak_balanced_pages == {"float32x16": 12}
+    assert stats.capture_peak_pages == {"float32x16": 9}
+    manager.reset()
+    (buffer,) = manager.buffers.values()
+    assert buffer.num_pages == pages
+    # Step 1 has 22 real rows per layer: 3 x 4 = 12 pages live at once. A pool sized to the
+    # capture step's 9 observed pages overflows (flagged, never silent); the others fit, ON == OFF.
+    on, off = run_model(manager, 1), run_model(None, 1)
+    assert manager.stats().overflow == (pages < 12)
+    if pages >= 12:
+        assert all(torch.equal(a, b) for a, b in zip(on, off))
+
+
+def test_a_negative_host_factor_sizes_the_host_tier_from_the_observed_peak() -> None:
+    manager = PagedStashManager(page_size=6, buffer_size_factor_cuda=0.2, buffer_size_factor_cpu=-2)
+    run_model(manager, 0)
+    manager.reset()
+    (buffer,) = manager.buffers.values()
+    assert buffer.num_pages == math.ceil(0.2 * 12)
+    assert buffer.host_num_pages == 2 * 9
+
+
 def test_capture_step_holds_only_actual_rows() -> None:
     manager = PagedStashManager(page_size=8)
     run_model(manager, 0)
@@ -287,9 +326,10 @@ def test_from_config() -> None:
         ({"page_size": 0}, ValueError, "page_size must be >= 1, got 0"),
         ({"page_size": 64.0}, TypeError, "page_size must be an int, got 64.0"),
         ({"page_size": True}, TypeError, "page_size must be an int"),
-        ({"buffer_size_factor_cuda": 0.0}, ValueError, "buffer_size_factor_cuda must be finite "
-         "and > 0"),
-        ({"buffer_size_factor_cpu": -1.0}, ValueError, "buffer_size_factor_cpu must be finite"),
+        ({"buffer_size_factor_cuda": 0.0}, ValueError, "buffer_size_factor_cuda=0 leaves no "
+         "device pages"),
+        ({"buffer_size_factor_cpu": float("-inf")}, ValueError, "buffer_size_factor_cpu must be "
+         "finite"),
         ({"buffer_size_factor_cuda": float("nan")}, ValueError, "finite"),
         ({"buffer_size_factor_cuda": "1.1"}, TypeError, "must be a number, got '1.1'"),
         ({"device": "cuda"}, ValueError, "CUDA is not available here; use device='cpu'"),

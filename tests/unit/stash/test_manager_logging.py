@@ -34,7 +34,8 @@ def test_pool_sizing_after_the_capture_step_is_logged_at_info(caplog) -> None:
     message = record.getMessage()
     assert "pools sized from the capture step" in message
     assert "float32x3: 3 pages of 4 rows, 0.00 MiB" in message
-    assert "capture peak 2 balanced pages x buffer_size_factor_cuda 1.5" in message
+    assert "capture peak 2 balanced / 3 observed pages" in message
+    assert "buffer_size_factor_cuda 1.5 x the balanced peak" in message
     assert manager.buffers[next(iter(manager.buffers))].num_pages == 3
     caplog.clear()
     _step(manager)  # allocation-free steps say nothing
