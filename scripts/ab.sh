@@ -5,4 +5,7 @@ source "$(dirname "$0")/env.sh"
 extras=plot
 case " $* " in *" --engine jax "* | *" --engine=jax "*) extras=plot,jax ;; esac  # pinned JAX
 "$PY" -m pip install -q --disable-pip-version-check -e ".[$extras]"
+case " $* " in  # megatron-core 0.19.2 (and 0.16.1), pinned, next to the pinned torch
+  *" --engine megatron "* | *" --engine=megatron "*) source scripts/megatron.sh ;;
+esac
 exec "$VENV/bin/te-paged" ab "$@"

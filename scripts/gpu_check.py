@@ -16,6 +16,8 @@ row per check (target, result, figures, seconds), then each check's full tables.
 7. step time ON/OFF with and without stream overlap, DeepSeek-like expert layers;
 8. peak allocated memory ON/OFF (the CUDA allocator's statistics) vs the capacity model;
 9. ``te-paged ab --device cuda`` with one rank, default and op-fuser + recompute paths.
+10. Megatron-core 0.19.2's stash copy and pop kernels vs te_paged's Triton kernels: the time
+    ratio (N/A without megatron-core 0.19.2).
 
 Each check runs in its own process (a CUDA error cannot poison the next one; ``--in-process``
 for debugging) and reports PASS (its target met), MISS (it ran; a figure missed its target),
@@ -879,6 +881,100 @@ def ab() -> str:
     if missed:
         raise TargetMissed("; ".join(details))
     return "; ".join(details)
+
+
+@check(
+    "Megatron-core 0.19.2's paged-stash kernels vs te_paged's Triton kernels (bf16, hidden 7168)",
+    "figures only: te_paged / Megatron stash+pop time (medians); both take the same pages",
+)
+def megatron_kernels() -> str:
+    """Megatron's ``offload_to_stash`` + ``reload_from_stash`` (its copy and pop kernels with
+    the launches around them, as Megatron runs them) vs te_paged's ``stash_copy`` +
+    ``stash_pop`` (Triton, through the op the manager calls), the same rows from the same free
+    list, page size 64, padding left as Megatron leaves it; rounds interleaved.
+    tests/unit/integrations/test_megatron_stash_kernels.py checks the bytes on CPU."""
+    try:
+        from megatron.core.transformer.moe import paged_stash as mc
+    except ImportError as e:
+        print(f"[gpu_check] megatron-core 0.19.2 is not importable: {e}", file=sys.stderr)
+        raise Unavailable(f"megatron-core 0.19.2 is not importable ({e})") from e
+    from te_paged.tools.free_lists import FreeList
+
+    hidden, sizes, page = (7168, [4096, 16384], 64) if _cuda() else (24, [64], 8)
+    warmup, repeats = (1, 3) if DRY else (3, 20)
+    table = ["| tokens | free list | runs | Megatron ms | te_paged ms | te_paged / Megatron |",
+             "| ---: | --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    ratios = []
+    for tokens, kind in itertools.product(sizes, FreeList):
+        fns, runs = _megatron_case(mc, tokens, kind, hidden, page)
+        for _ in range(warmup):
+            for fn in fns.values():
+                fn()
+        times: dict[str, list[float]] = {k: [] for k in fns}
+        for _ in range(repeats):  # interleaved: drift in clocks or load hits both alike
+            for k, fn in fns.items():
+                times[k].append(_timed(fn)[0])
+        med = {k: statistics.median(v) for k, v in times.items()}
+        ratios.append((med["te"] / med["mc"], f"{tokens} {kind.value}"))
+        table.append(f"| {tokens} | {kind.value} | {runs} | {1e3 * med['mc']:.3f} "
+                     f"| {1e3 * med['te']:.3f} | {ratios[-1][0]:.2f} |")  # fmt: skip
+    clock = "CUDA events" if _cuda() else "both interpreted on the CPU: not a measurement"
+    text = "\n".join([f"bf16, hidden {hidden}, page {page}, 3/4 of the tokens real ({clock}); "
+                      f"medians of {repeats} interleaved rounds after {warmup} warm-up.", "",
+                      *table])  # fmt: skip
+    print(text)
+    _section(text)
+    return "te_paged / Megatron stash+pop time: " + ", ".join(f"{w} {r:.2f}" for r, w in ratios)
+
+
+def _megatron_case(mc, tokens: int, kind, hidden: int, page: int):
+    """Both stash+pops of one case, from the same ``kind`` free list, run once and checked
+    (same pages, rows back); ``({"mc": fn, "te": fn}, runs of the pages)``. A stash+pop leaves
+    the free list as it found it, so every round takes the same pages."""
+    from te_paged.kernels import FLAGS_LEN, META_LEN, State, stash_copy, stash_pop
+    from te_paged.stash import PagedStashBuffer, StashKey
+    from te_paged.tools.free_lists import prepare_free_list
+
+    n = tokens * 3 // 4 + 5  # a partial last page
+    prep = prepare_free_list(kind, n, page)
+    src = torch.randn(tokens, hidden, device=DEV).bfloat16()
+    dst = {k: torch.empty_like(src) for k in ("mc", "te")}
+    num = torch.tensor([n], device=DEV)
+    flags = [torch.zeros(1, dtype=torch.int64, device=DEV) for _ in range(2)]
+    mbuf = mc.PagedStashBuffer(prep.num_pages * page, hidden, page, DEV, *flags, src.dtype)
+    mbuf.free_list_cuda.copy_(torch.tensor(prep.free_P))
+    mbuf.free_list_head[0], mbuf.free_list_tail[0] = prep.head, prep.tail
+    paged = mc.PagedTensor(src, num_tokens_tensor=num, max_num_tokens=tokens,
+                           hidden_size=hidden, page_size=page)  # fmt: skip
+    tbuf = PagedStashBuffer(StashKey(src.dtype, hidden), prep.num_pages, page, DEV)
+    tbuf.free_P.copy_(torch.tensor(prep.free_P))
+    tbuf.state[State.HEAD], tbuf.state[State.TAIL] = prep.head, prep.tail
+    tflags = torch.zeros(FLAGS_LEN, dtype=torch.int64, device=DEV)
+    rec = (torch.empty(-(-tokens // page), dtype=torch.int32, device=DEV),
+           torch.empty(META_LEN, dtype=torch.int64, device=DEV))  # fmt: skip
+
+    def megatron() -> None:
+        paged._tensor = src  # offload_to_stash drops it; reload fills what is set here
+        paged.offload_to_stash(mbuf)
+        paged._tensor = dst["mc"]
+        paged.reload_from_stash(mbuf)
+
+    def te() -> None:
+        stash_copy("triton", src.view(torch.int16), num, 1, page, *tbuf.kernel_args(), tflags,
+                   *rec)  # fmt: skip
+        stash_pop("triton", dst["te"].view(torch.int16), page, *tbuf.kernel_args(), tflags,
+                  *rec, False)  # fmt: skip
+
+    fns = {"mc": megatron, "te": te}
+    for fn in fns.values():  # compiles
+        fn()
+    need = -(-n // page)
+    pages = {"mc": paged.page_record[:need].tolist(), "te": rec[0][:need].tolist()}
+    if pages["mc"] != pages["te"] or tuple(pages["te"]) != prep.pages:
+        raise AssertionError(f"{tokens} {kind.value}: pages differ: {pages}")
+    if not all(_same(d[:n], src[:n]) for d in dst.values()):
+        raise AssertionError(f"{tokens} {kind.value}: popped rows differ from the stashed")
+    return fns, prep.runs
 
 
 # ----------------------------------------------------------------------------------- runner

@@ -3,8 +3,9 @@
 # Extra arguments go to pytest.
 source "$(dirname "$0")/env.sh"
 "$PY" -m pip install -q --disable-pip-version-check -e ".[test]"
-# Megatron-core for the integration tests, pinned; --no-deps keeps it from touching torch.
-"$PY" -m pip install -q --disable-pip-version-check --no-deps megatron-core==0.16.1 numpy packaging psutil
+# Megatron-core 0.19.2 and 0.16.1 for the integration tests, pinned; --no-deps keeps them from
+# touching torch.
+source scripts/megatron.sh  # env.sh cd-ed to the repository root
 "$VENV/bin/ruff" check .
 "$VENV/bin/ruff" format --check .
 exec "$PY" -m pytest -q "$@"

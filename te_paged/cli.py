@@ -180,7 +180,7 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
         default="default",
         help="default: the embedded te_paged model; megatron: Megatron-core's GPTModel with "
         "te_paged's MoE spec, Megatron DDP, optimizer and forward_backward_func under "
-        "MegatronPagedStashRunner (needs megatron-core 0.16.1); jax: te_paged.jax's "
+        "MegatronPagedStashRunner (needs megatron-core 0.19.2 or 0.16.1); jax: te_paged.jax's "
         "ring-of-experts MoE stack in one process on CPU, memory from XLA's compiled memory "
         "analysis (needs the jax extra; model defaults: docs/jax.md)",
     )

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from functional_tests.launch import REPO_ROOT, torchrun
+from functional_tests.megatron import RELEASES, release_env
 
 MARKER = "<!-- example: megatron-training-step -->"
 ITERATIONS = 4
@@ -17,10 +20,18 @@ def extract_example() -> str:
     return match.group(1) + "\n"
 
 
-def test_megatron_docs_example_runs_as_written(tmp_path) -> None:
+@pytest.mark.parametrize("release", RELEASES)
+def test_megatron_docs_example_runs_as_written(tmp_path, release: str) -> None:
     script = tmp_path / "example.py"
-    script.write_text(extract_example())
-    output = torchrun([str(script)], nproc=4, timeout_s=180, env={"PYTHONWARNINGS": "ignore"})
+    # The example as written, plus one line that says which release the ranks imported.
+    script.write_text(
+        extract_example()
+        + "from megatron.core.package_info import VERSION\n"
+        + "print('megatron-core', '.'.join(map(str, VERSION[:3])), flush=True)\n"
+    )
+    env = {"PYTHONWARNINGS": "ignore", **release_env(release)}
+    output = torchrun([str(script)], nproc=4, timeout_s=180, env=env)
+    assert output.count(f"megatron-core {release}") == 4, output
     lines = [line for line in output.splitlines() if line.startswith("iteration ")]
     assert [line.split()[1] for line in lines] == [str(i) for i in range(ITERATIONS)], output
     for line in lines:

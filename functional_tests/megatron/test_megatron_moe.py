@@ -23,7 +23,6 @@ What is compared with what, against Megatron's ``SequentialMLP`` with the same w
 
 from __future__ import annotations
 
-import importlib.metadata
 import itertools
 import json
 from pathlib import Path
@@ -32,7 +31,7 @@ import pytest
 
 from functional_tests.launch import torchrun
 from functional_tests.megatron import worker
-from te_paged.integrations.megatron import cpu_shims as stubs
+from te_paged.integrations.megatron.releases import installed_release
 
 WORLD_SIZE = 4
 LAUNCH_TIMEOUT_S = 240
@@ -55,14 +54,9 @@ def bitwise_failures(comparison: dict[str, dict]) -> list[str]:
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     """Launch the worker once; every rank's results."""
     try:
-        version = importlib.metadata.version("megatron-core")
-    except importlib.metadata.PackageNotFoundError:
-        pytest.fail(f"megatron-core is not installed: {stubs.INSTALL_HINT}")
-    if version != stubs.PINNED_VERSION:
-        pytest.fail(
-            f"megatron-core {version} is installed, not {stubs.PINNED_VERSION}: "
-            f"{stubs.INSTALL_HINT}"
-        )
+        installed_release()
+    except RuntimeError as e:
+        pytest.fail(str(e))
     out = tmp_path_factory.mktemp("megatron_moe")
     torchrun(
         [

@@ -10,17 +10,24 @@ from __future__ import annotations
 
 import pytest
 
-from functional_tests.megatron import run_workers, train_worker
+from functional_tests.megatron import RELEASES, run_workers, train_worker
 
 WORLD_SIZE = 4
 LAUNCH_TIMEOUT_S = 300
 PARITY = [f"ep{ep}-overlap_{o}" for ep in (2, 4) for o in (False, True)]
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+@pytest.fixture(scope="module", params=RELEASES)
+def ranks(request, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """Every case, once per supported megatron-core release."""
     out = tmp_path_factory.mktemp("megatron_train")
-    return run_workers("train_worker", out, world_size=WORLD_SIZE, timeout_s=LAUNCH_TIMEOUT_S)
+    return run_workers(
+        "train_worker",
+        out,
+        world_size=WORLD_SIZE,
+        timeout_s=LAUNCH_TIMEOUT_S,
+        release=request.param,
+    )
 
 
 def _all_equal(case: dict) -> bool:

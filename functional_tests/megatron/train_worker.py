@@ -182,7 +182,14 @@ def worker_main(
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
-        results = {"world_size": world, "steps": steps, **cases(rank, world)}
+        from te_paged.integrations.megatron.releases import installed_version
+
+        results = {
+            "world_size": world,
+            "steps": steps,
+            "megatron_core": installed_version(),
+            **cases(rank, world),
+        }
         dist.barrier()
     finally:
         dist.destroy_process_group()

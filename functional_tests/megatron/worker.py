@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from te_paged.integrations.megatron import cpu_shims as stubs
+from te_paged.integrations.megatron.releases import installed_version
 
 SEQ, BATCH, HIDDEN, FFN, EXPERTS, TOPK = 8, 2, 16, 32, 8, 2
 STEPS = 2
@@ -96,17 +97,23 @@ def build_layers(config) -> dict[str, torch.nn.Module]:
     from te_paged.integrations import megatron as tpm
 
     reference_spec = get_moe_module_spec(use_te=False, num_experts=EXPERTS, moe_grouped_gemm=False)
+
+    def build(spec, config):
+        # megatron-core 0.19.2's specs are builders (a partial, a callable ModuleSpec);
+        # 0.16.1's are ModuleSpec data only build_module reads.
+        return spec(config=config) if callable(spec) else build_module(spec, config=config)
+
     layers = {
-        "sequential": build_module(reference_spec, config=config),
-        "te_paged": build_module(tpm.get_te_paged_moe_spec(config), config=config),
-        "te_paged_static": build_module(
+        "sequential": build(reference_spec, config=config),
+        "te_paged": build(tpm.get_te_paged_moe_spec(config), config=config),
+        "te_paged_static": build(
             tpm.get_te_paged_moe_spec(config, **STATIC_OVERRIDES), config=config
         ),
-        "te_paged_stash": build_module(
+        "te_paged_stash": build(
             tpm.get_te_paged_moe_spec(config, **STASH_OVERRIDES), config=config
         ),
-        "grouped_linears": build_module(tpm.get_te_paged_linear_moe_spec(), config=config),
-        "perturbed": build_module(tpm.get_te_paged_moe_spec(config), config=config),
+        "grouped_linears": build(tpm.get_te_paged_linear_moe_spec(), config=config),
+        "perturbed": build(tpm.get_te_paged_moe_spec(config), config=config),
     }
     reference = layers["sequential"].state_dict()
     for name, layer in layers.items():
@@ -238,7 +245,7 @@ def dist_checkpoint_case(ep: int, rank: int, root: Path) -> dict:
             spec = tpm.get_te_paged_linear_moe_spec()
         else:
             spec = tpm.get_te_paged_moe_spec(config)
-        return build_module(spec, config=config)
+        return spec(config=config) if callable(spec) else build_module(spec, config=config)
 
     def experts(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
         return _experts_only(tpm.to_megatron_sequential_state_dict(layer))
@@ -318,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
     rank = dist.get_rank()
-    results = {"world_size": dist.get_world_size(), "megatron_core": stubs.PINNED_VERSION}
+    results = {"world_size": dist.get_world_size(), "megatron_core": installed_version()}
     try:
         for ep in EPS:
             parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)

@@ -85,15 +85,38 @@ class PeakMemoryMeter:
         self.report = MemoryReport(dynamic, method, categories)
 
 
+class _ModuleTensors:
+    """A module's parameters and buffers through ``nn.Module``'s methods, whatever attributes
+    the module itself defines under those names."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self._module = module
+
+    def parameters(self, recurse: bool = True):
+        return torch.nn.Module.parameters(self._module, recurse)
+
+    def buffers(self, recurse: bool = True):
+        return torch.nn.Module.buffers(self._module, recurse)
+
+
 def _step_mem_tracker():
     """torch's ``MemTracker`` for a whole training step: a step may call the same root module
     once per microbatch (gradient accumulation, a pipeline schedule), which ``MemTracker``
     refuses as "multiple iterative calls". Here a root module's next forward starts its
     module statistics afresh (what ``reset_mod_stats`` does, for that module only); the
-    device-wide peak this meter reports is not per module and carries over."""
+    device-wide peak this meter reports is not per module and carries over.
+
+    A module may shadow ``nn.Module.buffers``/``parameters`` with an attribute (Megatron's
+    ``DistributedDataParallel`` keeps its gradient buffers in a list named ``buffers``): the
+    tracker then reads them through ``nn.Module``'s own methods."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     class StepMemTracker(MemTracker):
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            if not (callable(module.buffers) and callable(module.parameters)):
+                module = _ModuleTensors(module)
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
         def _pre_fw_hook(self, module, inputs):
             tracker = self._mod_tracker
             if module in self.memory_tracking and not tracker.is_bw:

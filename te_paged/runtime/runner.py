@@ -358,7 +358,7 @@ class PagedStashRunner:
         return int(d.budget_tokens), int(d.last_num_tokens * d.config.moe_router_topk)
 
     def step(
-        self, step_fn: Callable[[], Any], *, step: int | None = None
+        self, step_fn: Callable[[], Any], *, step: int | None = None, forward_only: bool = False
     ) -> tuple[Any, StepRecord]:
         """Run ``step_fn`` (forward + backward over the step's microbatches); rerun once,
         dropless and without stashing, if any rank overflowed or went over budget.
@@ -366,6 +366,12 @@ class PagedStashRunner:
         ``step`` is the training loop's own iteration number (default: the count of calls so
         far). Pass it to catch a rank that skipped a step: its collectives pair with the next
         step's, so a call count would still agree, but its iteration number does not.
+
+        ``forward_only`` (an evaluation step: no backward follows, whether or not autograd
+        records) stashes nothing — there is no backward to pop for — so it can raise no stash
+        flag; a token over budget still reruns it dropless, for a correct result. Its
+        fallbacks neither count towards ``max_consecutive_fallbacks`` nor end a run of them:
+        evaluation says nothing about whether training's budgets fit.
         """
         if step is not None:
             if not isinstance(step, int) or isinstance(step, bool) or step < 0:
@@ -373,7 +379,11 @@ class PagedStashRunner:
             self.step_index = step
         self._begin_step()
         state = self.snapshot_state()
-        result = step_fn()
+        with contextlib.ExitStack() as no_stash:
+            if forward_only:
+                for manager in self.managers:
+                    no_stash.enter_context(manager.disabled())
+            result = step_fn()
         with nvtx_range("te_paged.reduce"):
             flag_ranks, per_rank, keys = self._reduce()
         overflow, overbudget, spill = (len(ranks) for ranks in flag_ranks)
@@ -390,7 +400,7 @@ class PagedStashRunner:
         record = StepRecord(
             step=self.step_index,
             attempt=1,
-            enabled=self._stash_enabled(),
+            enabled=self._stash_enabled() and not forward_only,
             stash_overflow_ranks=overflow,
             overbudget_ranks=overbudget,
             host_spill_ranks=spill,
@@ -404,7 +414,7 @@ class PagedStashRunner:
         )
         if record.will_retry:
             self._suggest(record, peak_pair)
-            if self.consecutive_fallbacks >= self.max_consecutive_fallbacks:
+            if self.consecutive_fallbacks >= self.max_consecutive_fallbacks and not forward_only:
                 fits = [
                     f"{name} to >= {value}"
                     for name, value in (
@@ -421,11 +431,12 @@ class PagedStashRunner:
                     f"fallback (stash overflow on {overflow} rank(s), over budget on "
                     f"{overbudget}): raise {' and '.join(fits) or 'the static budgets'}"
                 )
-            self.consecutive_fallbacks += 1
+            if not forward_only:
+                self.consecutive_fallbacks += 1
             # Before the rerun: seen even if the dropless rerun runs out of memory.
             self._log(logging.WARNING, self._fallback_message(record, flag_ranks, len(per_rank)))
             result = self._fallback(step_fn, state, record)
-        else:
+        elif not forward_only:
             self.consecutive_fallbacks = 0
             if spill:
                 self._log(logging.INFO, self._spill_message(record, flag_ranks[2], len(per_rank)))

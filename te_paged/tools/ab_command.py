@@ -56,12 +56,12 @@ def _world(args: argparse.Namespace) -> tuple[int, bool]:
 
 
 def _megatron_missing() -> str | None:
-    from te_paged.integrations.megatron import cpu_shims
+    from te_paged.integrations.megatron.releases import installed_release
     from te_paged.tools.megatron_ab import quiet_megatron
 
     quiet_megatron()
     try:
-        cpu_shims.megatron_version()
+        installed_release()
     except RuntimeError as e:
         return str(e)
     return None
@@ -341,6 +341,10 @@ def run_ab_command(args: argparse.Namespace) -> int:
         except RankFailure as e:
             print(f"te-paged ab: error: {e}", file=sys.stderr)
             return 3
+    if args.engine == "megatron":
+        from te_paged.integrations.megatron.releases import installed_version
+
+        print(f"megatron-core {installed_version()}\n")
     print(format_table(result))
     _write_outputs(args, result)
     return 0 if result.equal else 1

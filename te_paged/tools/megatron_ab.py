@@ -69,10 +69,13 @@ def quiet_megatron() -> None:
         ".*Apex is not installed.*",
         ".*Transformer Engine is not installed.*",
         "Module is None. Skipping",
+        ".*absl.logging is not installed.*",  # megatron-core 0.19.2's hyper_comm_grid
         "full scope is deprecated",  # megatron-core 0.16.1's own default cuda_graph_scope
     ):
         warnings.filterwarnings("ignore", message=message)
     logging.getLogger("megatron.core.transformer.transformer_layer").setLevel(logging.ERROR)
+    # 0.19.2 logs that GPTModel is deprecated (for HybridModel) once per model built.
+    logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)
 
 
 @dataclasses.dataclass
@@ -115,7 +118,7 @@ class TrainRun:
     memory_method: str = "not measured"
 
 
-def _transformer_config(cfg: MegatronModelConfig, ep: int):
+def _transformer_config(cfg: MegatronModelConfig, ep: int, paged_stash_fields: dict[str, object]):
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -130,6 +133,11 @@ def _transformer_config(cfg: MegatronModelConfig, ep: int):
         }
     elif cfg.layer_recompute == "moe":
         recompute = {"recompute_granularity": "selective", "recompute_modules": ["moe"]}
+    fields = {
+        "moe_token_dispatcher_type": "alltoall",  # replaced by te_paged's static-budget one
+        **recompute,
+        **paged_stash_fields,  # 0.19.2: the flex dispatcher its capacity factor requires
+    }
     return TransformerConfig(
         num_layers=cfg.layers,
         hidden_size=cfg.hidden,
@@ -145,7 +153,6 @@ def _transformer_config(cfg: MegatronModelConfig, ep: int):
         add_bias_linear=False,
         hidden_dropout=cfg.dropout,
         attention_dropout=cfg.dropout,
-        moe_token_dispatcher_type="alltoall",  # replaced by te_paged's static-budget dispatcher
         moe_router_score_function="sigmoid",
         moe_router_enable_expert_bias=True,
         moe_router_bias_update_rate=1e-3,
@@ -156,12 +163,13 @@ def _transformer_config(cfg: MegatronModelConfig, ep: int):
         virtual_pipeline_model_parallel_size=cfg.virtual_stages,
         pipeline_dtype=torch.float32,
         use_cpu_initialization=True,
-        **recompute,
+        **fields,
     )
 
 
-def _overrides(cfg: MegatronModelConfig, paged: bool) -> dict[str, object]:
-    """te_paged's fields (megatron-core 0.16.1's config has none of them)."""
+def _paged_stash_fields(cfg: MegatronModelConfig, paged: bool) -> dict[str, object]:
+    """te_paged's fields: on the config where the release has them (0.19.2: the user's own
+    ``TransformerConfig``, as for Megatron's built-in stash), else keyword overrides."""
     return {
         "moe_expert_rank_capacity_factor": cfg.capacity_factor,
         "moe_paged_stash": paged,
@@ -225,14 +233,16 @@ def _build(cfg: MegatronModelConfig, paged: bool, ep: int, device: torch.device,
         PagedStashMoELayer,
         get_te_paged_moe_spec,
     )
+    from te_paged.integrations.megatron.common import split_paged_stash_fields
 
     model_parallel_cuda_manual_seed(cfg.seed, force_reset_rng=True)
     torch.manual_seed(cfg.seed)
     clear_aux_losses_tracker()
-    tcfg = _transformer_config(cfg, ep)
+    native, overrides = split_paged_stash_fields(**_paged_stash_fields(cfg, paged))
+    tcfg = _transformer_config(cfg, ep, native)
     # The MLP spec is replaced below: ask for the plain one (no deprecation notice).
     spec = get_gpt_layer_local_spec(num_experts=cfg.experts, moe_grouped_gemm=False)
-    spec.submodules.mlp = get_te_paged_moe_spec(tcfg, device=device, **_overrides(cfg, paged))
+    spec.submodules.mlp = get_te_paged_moe_spec(tcfg, device=device, **overrides)
     chunks = []
     for vp_stage in range(cfg.virtual_stages or 1):  # one model chunk per virtual stage
         vp = None if cfg.virtual_stages is None else vp_stage

@@ -1,13 +1,13 @@
 """The run record: what ``te-paged ab --json PATH`` writes, versioned and strict JSON.
 
 The record is :class:`~te_paged.tools.ab.ABResult` as a dict plus what a reader needs to trust
-and reproduce it: ``schema_version``, the te_paged and torch versions (and JAX's, for the jax
-engine), the engine and the command line. A value that is undefined or not finite (a ratio
-against a model that is not positive, a loss that overflowed) is written as ``null``, never as
-``NaN`` or ``Infinity``, which strict parsers (``JSON.parse``, ``json.loads`` with
-``parse_constant`` raising) reject. Every field is documented in docs/run-record.md;
-``run_record.schema.json`` next to this module is the JSON Schema (draft 2020-12) the tests
-validate every record against.
+and reproduce it: ``schema_version``, the te_paged and torch versions (JAX's for the jax
+engine, megatron-core's release for the megatron engine), the engine and the command line. A
+value that is undefined or not finite (a ratio against a model that is not positive, a loss
+that overflowed) is written as ``null``, never as ``NaN`` or ``Infinity``, which strict
+parsers (``JSON.parse``, ``json.loads`` with ``parse_constant`` raising) reject. Every field
+is documented in docs/run-record.md; ``run_record.schema.json`` next to this module is the
+JSON Schema (draft 2020-12) the tests validate every record against.
 
 Bump :data:`SCHEMA_VERSION` when a field is removed, renamed or changes meaning or unit, and
 update the schema and docs/run-record.md with it; adding a field also needs both.
@@ -55,6 +55,7 @@ def build_record(result: ABResult, engine: str, command: list[str]) -> dict[str,
         "te_paged_version": __version__,
         "torch_version": torch.__version__,
         **({"jax_version": _jax_version()} if engine == "jax" else {}),
+        **({"megatron_core_version": _megatron_version()} if engine == "megatron" else {}),
         "command": [str(a) for a in command],
         "engine": engine,
         "equal": result.equal,
@@ -63,6 +64,12 @@ def build_record(result: ABResult, engine: str, command: list[str]) -> dict[str,
         "memory_per_stage": result.memory_per_stage(),
     }
     return _finite(record)
+
+
+def _megatron_version() -> str:
+    from te_paged.integrations.megatron.releases import installed_version
+
+    return installed_version()
 
 
 def _jax_version() -> str:

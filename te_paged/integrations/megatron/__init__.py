@@ -2,7 +2,8 @@
 
 Importing this package does not import Megatron; the spec builders, the runner's calls and
 :class:`PagedStashMoELayer` do (with an install hint when it is missing). Tested against
-megatron-core 0.16.1 on CPU (see docs/megatron.md).
+megatron-core 0.19.2 and 0.16.1 on CPU (see docs/megatron.md); what differs between them is the
+table in ``releases``.
 
 =================  =====================================================================
 module             what
@@ -21,10 +22,11 @@ module             what
 ``dist_ckpt``      Megatron ``dist_checkpointing`` layout of te_paged's experts and linears
 ``cpu_shims``      stand-ins for Megatron's CUDA-only calls, for CPU runs only (never
                    installed by importing anything)
+``releases``       the supported megatron-core releases and what differs between them
 ``common``         the lazy import, config reading, device rules
 =================  =====================================================================
 
-What the experts receive depends on the dispatcher (megatron-core 0.16.1):
+What the experts receive depends on the dispatcher:
 
 =====================================  ======================================  =================
 dispatcher                             expert input                            stash saves

@@ -15,15 +15,18 @@ from te_paged.moe import as_moe_config
 
 __all__ = [
     "INSTALL_HINT",
+    "PAGED_STASH_FIELDS",
     "compute_device",
     "group_size",
     "import_megatron",
     "megatron_moe_config",
     "param_device",
+    "split_paged_stash_fields",
 ]
 
 INSTALL_HINT = (
-    "pip install --no-deps megatron-core numpy packaging psutil  (keeps your torch as it is)"
+    "pip install --no-deps megatron-core==0.19.2 numpy packaging psutil  (keeps your torch as it "
+    "is; te_paged supports megatron-core 0.16.1 and 0.19.2)"
 )
 
 
@@ -63,10 +66,15 @@ class _MegatronConfigView:
 def megatron_moe_config(config: object, **overrides: object) -> MoEConfig:
     """te_paged's :class:`MoEConfig` for a Megatron ``TransformerConfig``.
 
-    ``overrides`` set :class:`MoEConfig` fields that the installed Megatron release does not
-    have (megatron-core 0.16.1 has no ``moe_paged_stash``, ``moe_expert_rank_capacity_factor``,
-    ``moe_paged_stash_*`` or ``moe_use_grouped_tensor``); a Megatron config that has them is
-    read directly.
+    A field the Megatron config has is read from it: on megatron-core 0.19.2 that includes
+    ``moe_paged_stash``, ``moe_paged_stash_page_size``, ``moe_paged_stash_buffer_size_factor_
+    cuda``/``_cpu`` and ``moe_expert_rank_capacity_factor``. ``overrides`` set the
+    :class:`MoEConfig` fields the config has not (0.16.1 has none of those, no release has
+    ``moe_paged_stash_kernel_backend``); a paged-stash field, or
+    ``use_transformer_engine_op_fuser``, may also be set while the config leaves it at
+    Megatron's default (that is how a 0.16.1-style script runs on 0.19.2). Any other override
+    that differs from the config's value is a ``ValueError``: one field with two values, which
+    Megatron's modules (the router, say) and te_paged's would each follow one of.
     """
     fields = {f.name for f in dataclasses.fields(MoEConfig)}
     unknown = sorted(set(overrides) - fields)
@@ -75,7 +83,75 @@ def megatron_moe_config(config: object, **overrides: object) -> MoEConfig:
     if isinstance(config, MoEConfig):
         return dataclasses.replace(config, **overrides)
     _check_megatron_config(config)
+    _check_overrides(config, overrides)
     return as_moe_config(_MegatronConfigView(config, overrides))
+
+
+def _megatron_default(config: object, name: str) -> object:
+    """The default of dataclass field ``name`` of ``config``'s class (a sentinel if none)."""
+    for f in dataclasses.fields(config) if dataclasses.is_dataclass(config) else ():
+        if f.name == name:
+            if f.default is not dataclasses.MISSING:
+                return f.default
+            if f.default_factory is not dataclasses.MISSING:
+                return f.default_factory()
+    return _NO_DEFAULT
+
+
+_NO_DEFAULT = object()
+
+
+def _check_overrides(config: object, overrides: Mapping[str, object]) -> None:
+    contradictions = []
+    for name, value in overrides.items():
+        if not hasattr(config, name):
+            continue
+        set_on_config = getattr(config, name)
+        if set_on_config == value:
+            continue
+        # Only te_paged's experts and dispatcher read these (Megatron's hooks stay inert), so
+        # a field the user left at Megatron's default may be given as an override.
+        if name in _OVERRIDABLE and set_on_config == _megatron_default(config, name):
+            continue
+        contradictions.append(f"{name}: the config says {set_on_config!r}, the override {value!r}")
+    if contradictions:
+        raise ValueError(
+            "te_paged's keyword overrides contradict the Megatron config ("
+            + "; ".join(contradictions)
+            + "): Megatron's modules read the config and te_paged's the override. Set each "
+            "field in one place — on the TransformerConfig where it has the field"
+        )
+
+
+#: te_paged's paged-stash fields that megatron-core 0.19.2's ``TransformerConfig`` has too.
+PAGED_STASH_FIELDS = (
+    "moe_expert_rank_capacity_factor",
+    "moe_paged_stash",
+    "moe_paged_stash_page_size",
+    "moe_paged_stash_buffer_size_factor_cuda",
+    "moe_paged_stash_buffer_size_factor_cpu",
+)
+
+
+_OVERRIDABLE = (*PAGED_STASH_FIELDS, "use_transformer_engine_op_fuser")
+
+
+def split_paged_stash_fields(**fields: object) -> tuple[dict[str, object], dict[str, object]]:
+    """``(TransformerConfig kwargs, spec overrides)`` for te_paged's ``fields`` on the installed
+    megatron-core: the fields its config has go on the config, where its users set them (with
+    what 0.19.2's ``TransformerConfig`` requires beside a rank capacity factor: the ``"flex"``
+    dispatcher with the ``"ncclep"`` backend, which te_paged's layer replaces and never
+    builds); the rest are overrides.
+    """
+    from te_paged.integrations.megatron.releases import installed_release
+
+    if not installed_release().config_has_paged_stash_fields:
+        return {}, dict(fields)
+    native = {k: v for k, v in fields.items() if k in PAGED_STASH_FIELDS}
+    overrides = {k: v for k, v in fields.items() if k not in PAGED_STASH_FIELDS}
+    if native.get("moe_expert_rank_capacity_factor") is not None:
+        native.update(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="ncclep")
+    return native, overrides
 
 
 def _check_megatron_config(config: object) -> None:

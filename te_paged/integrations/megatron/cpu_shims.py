@@ -1,4 +1,4 @@
-"""CPU stand-ins for the CUDA-only calls of megatron-core 0.16.1 — for CPU runs only.
+"""CPU stand-ins for the CUDA-only calls of megatron-core 0.16.1 and 0.19.2 — for CPU runs only.
 
 megatron-core calls CUDA in places even when every tensor is on the CPU. This module is the one
 place that replaces those calls, so that Megatron's ``MoELayer``, ``GPTModel``, DDP, optimizer
@@ -8,66 +8,84 @@ paths call it — te_paged's tests and ``te-paged ab --engine megatron --device 
 user who wants to try the integration on a CPU machine can call it first, as
 docs/megatron.md's example does.
 
-Pinned to one megatron-core release (:data:`PINNED_VERSION`): each shim replaces a named function
-or attribute of that release, so a different release raises at :func:`install` instead of
-silently patching code that has moved. Every shim, with what it replaces (the same list is in
-docs/megatron.md):
+Each shim has a name and replaces a named function or attribute; the release table
+(:mod:`te_paged.integrations.megatron.releases`) says which shims a release gets, and
+:func:`install` checks that every attribute a shim replaces exists in the installed release
+before it patches anything, so a release whose code moved raises instead of being patched
+silently. Every shim, with what it replaces (the same list is in docs/megatron.md):
 
 ===============================================  ===============================================
-Megatron (0.16.1) calls                          on CPU it gets
+Megatron calls (shim name; releases)             on CPU it gets
 ===============================================  ===============================================
 ``torch.cuda.current_device()`` (router weight,  ``torch.device("cpu")``
 all-to-all outputs, DDP, embeddings)
+(``current_device``; both)
 ``torch.cuda.synchronize()`` (checkpoint         a no-op (everything is on the host already)
-writer, DDP buffer moves)
+writer, DDP buffer moves) (``synchronize``;
+both)
 factories with ``device="cuda"`` (schedules'     the CPU: a ``TorchFunctionMode`` rewrites the
 ``total_num_tokens``, DDP's grad buffers,        ``device`` argument of factory calls that name
 the optimizer's flags, ``get_grad_norm_fp32``,   CUDA, and ``Tensor.cuda()`` returns the tensor
-``count_zeros_fp32``)
-``param.grad.type() == 'torch.cuda.Float         ``Tensor.type()`` names a CPU tensor by its CUDA
-Tensor'`` (``clip_grad_by_total_norm_fp32``)     name (the same mode)
+``count_zeros_fp32``, 0.19.2's                   (``Tensor.type()`` names a CPU tensor by its
+``check_paged_stash_overflow``);                 CUDA name)
+``param.grad.type() == 'torch.cuda.Float
+Tensor'`` (``clip_grad_by_total_norm_fp32``)
+(``cuda_factories``; both)
 ``CheckpointFunction.backward`` (full and        the same, run inside the mode: autograd's
 ``moe`` recompute: the forward runs again in     backward does not carry torch function modes,
 backward, e.g. ``get_default_causal_mask``)      so the recomputed forward would escape it
+(``checkpoint_backward_in_mode``; both)
 the CUDA generator (``torch.cuda.get_rng_        the CPU generator: ``torch.cuda.get_rng_state``
 state``/``manual_seed``, ``random._get_cuda_     / ``manual_seed`` and Megatron's ``_get_cuda_
 rng_state``/``_set_cuda_rng_state``: the RNG     rng_state``/``_set_cuda_rng_state`` read and
 tracker, ``CheckpointWithoutOutput``)            write ``torch.get_rng_state()``, so the tracker
-                                                 forks and restores CPU streams as it would CUDA
+(``cuda_rng``; both)                             forks and restores CPU streams as it would CUDA
                                                  ones (its "CPU RNG state changed within GPU RNG
                                                  context" warning is then expected and silenced)
 ``moe_utils.te_general_gemm`` (a Transformer     ``None``: the router takes Megatron's own
 Engine name left undefined without TE)           ``torch.mm`` branch
+(``te_general_gemm``; both)
 ``MoEAlltoAllTokenDispatcher``'s CUDA stream and a sentinel stream, and a ``_maybe_dtoh_and_
 ``_maybe_dtoh_and_synchronize`` (numpy split     synchronize`` that keeps the host tensors and
-sizes, CUDA events)                              turns the EP split sizes into the lists gloo
+sizes, CUDA events) (``alltoall_dtoh``; both)    turns the EP split sizes into the lists gloo
                                                  accepts
-``CheckpointWithoutOutput.__init__``             ``self.fp8 = bool(fp8)`` (0.16.1 writes ``fp8
-                                                 is not None``, taking TE's undefined FP8 branch)
+``CheckpointWithoutOutput.__init__``             ``self.fp8 = bool(fp8)`` (both releases write
+(``checkpoint_without_output_fp8``; both)        ``fp8 is not None``, taking TE's undefined FP8
+                                                 branch for the default ``fp8=False``)
 ``jit_fuser = torch.compile`` on the fused       ``torch._dynamo.config.disable = True``: they
 activations (inductor: ~30 s per process)        run eagerly
+(``no_compile``; both)
+``paged_stash.PagedStashManager.get_instance``   the global manager made once, at install, with
+(0.19.2's built-in stash: its constructor        a placeholder stream that nothing uses (te_paged
+makes a ``torch.cuda.Stream()``; the             keeps that manager empty: see docs/megatron.md)
+schedules and ``GPTModel.forward`` call it
+when ``config.moe_paged_stash``)
+(``builtin_stash_manager``; 0.19.2)
+``torch.cuda.current_stream()`` (DDP's           a placeholder stream whose waits are no-ops
+``start_grad_sync`` waits on CUDA-graph          (on the host every op has finished when it
+events) (``current_stream``; 0.19.2)             returns)
 ===============================================  ===============================================
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["INSTALL_HINT", "PINNED_VERSION", "install", "installed", "megatron_version"]
+from te_paged.integrations.megatron.releases import SUPPORTED, install_line, installed_release
 
-PINNED_VERSION = "0.16.1"
-PIP_INSTALL = f"pip install --no-deps megatron-core=={PINNED_VERSION} numpy packaging psutil"
+__all__ = ["INSTALL_HINT", "SHIMS", "install", "installed", "installed_shims"]
+
 INSTALL_HINT = (
-    f"te_paged's CPU runs of Megatron need megatron-core=={PINNED_VERSION}; install it next to "
-    f"the pinned CPU torch with `{PIP_INSTALL}` (scripts/test.sh does this)"
+    f"te_paged's CPU runs of Megatron need megatron-core {' or '.join(SUPPORTED)}; install it "
+    f"next to the pinned CPU torch with `{install_line()}` (scripts/test.sh installs both)"
 )
 
-_state: dict[str, Any] = {"installed": False, "mode": None}
+_state: dict[str, Any] = {"installed": False, "mode": None, "shims": ()}
 
 
 def installed() -> bool:
@@ -75,20 +93,9 @@ def installed() -> bool:
     return bool(_state["installed"])
 
 
-def megatron_version() -> str:
-    """The installed megatron-core version; ``RuntimeError`` with the install hint if absent
-    or not the pinned release."""
-    try:
-        package_info = importlib.import_module("megatron.core.package_info")
-    except ImportError as e:
-        raise RuntimeError(f"megatron-core is not importable ({e}): {INSTALL_HINT}") from e
-    version = package_info.__version__
-    if version != PINNED_VERSION:
-        raise RuntimeError(
-            f"megatron-core {version} is installed but the CPU shims in {__name__} are written "
-            f"for {PINNED_VERSION}: {INSTALL_HINT}, or port the shims to {version}"
-        )
-    return version
+def installed_shims() -> tuple[str, ...]:
+    """The names of the shims :func:`install` applied (empty before it ran)."""
+    return tuple(_state["shims"])
 
 
 def _names_cuda(device: object) -> bool:
@@ -156,11 +163,148 @@ def _set_cpu_rng_state(new_state: torch.Tensor, *args: object, **kwargs: object)
     torch.set_rng_state(new_state)
 
 
-def install() -> None:
-    """Apply every shim (idempotent). Call once per process, before building Megatron modules.
+def _patch_current_device(mode: TorchFunctionMode) -> None:
+    torch.cuda.current_device = lambda: torch.device("cpu")
 
-    Raises ``RuntimeError`` when CUDA is available (the shims would hide real CUDA calls) or when
-    the installed megatron-core is not :data:`PINNED_VERSION`.
+
+def _patch_synchronize(mode: TorchFunctionMode) -> None:
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+
+
+def _patch_cuda_factories(mode: TorchFunctionMode) -> None:
+    mode.__enter__()  # for the rest of the process, like torch.set_default_device
+
+
+def _patch_checkpoint_backward(mode: TorchFunctionMode) -> None:
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    recompute = mcore_random.CheckpointFunction.backward
+
+    def backward_in_mode(ctx, *grads):
+        with mode:
+            return recompute(ctx, *grads)
+
+    mcore_random.CheckpointFunction.backward = staticmethod(backward_in_mode)
+
+
+def _patch_cuda_rng(mode: TorchFunctionMode) -> None:
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    torch.cuda.get_rng_state = _cpu_rng_state
+    torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)
+    mcore_random._get_cuda_rng_state = _cpu_rng_state
+    mcore_random._set_cuda_rng_state = _set_cpu_rng_state
+    # The tracker's fork compares the CPU state before and after: with the CPU generator
+    # standing in for the CUDA one it always changes, and every fork would log a warning.
+    logging.getLogger(mcore_random.__name__).setLevel(logging.ERROR)
+
+
+def _patch_te_general_gemm(mode: TorchFunctionMode) -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.te_general_gemm = None
+
+
+def _patch_alltoall_dtoh(mode: TorchFunctionMode) -> None:
+    from megatron.core.transformer.moe import token_dispatcher
+
+    dispatcher = token_dispatcher.MoEAlltoAllTokenDispatcher
+    dispatcher.cuda_dtoh_stream = object()  # non-None: the constructor then creates no stream
+    dispatcher._maybe_dtoh_and_synchronize = _host_dtoh_and_synchronize
+
+
+def _patch_checkpoint_without_output(mode: TorchFunctionMode) -> None:
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    mcore_random.CheckpointWithoutOutput.__init__ = _checkpoint_without_output_init
+
+
+def _patch_no_compile(mode: TorchFunctionMode) -> None:
+    from torch import _dynamo
+
+    _dynamo.config.disable = True  # read per frame, so it holds for compiled-at-import fns
+
+
+class _PlaceholderStream:
+    """Stands in for a CUDA stream on CPU, where every op has finished when it returns: waits
+    and synchronisations are no-ops."""
+
+    def wait_event(self, event: object) -> None:
+        pass
+
+    def wait_stream(self, stream: object) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+_HOST_STREAM = _PlaceholderStream()
+
+
+def _patch_current_stream(mode: TorchFunctionMode) -> None:
+    torch.cuda.current_stream = lambda *args, **kwargs: _HOST_STREAM
+
+
+def _patch_builtin_stash_manager(mode: TorchFunctionMode) -> None:
+    from megatron.core.transformer.moe import paged_stash
+
+    manager_cls = paged_stash.PagedStashManager
+    if manager_cls.STASH_MGR is None:
+        cuda_stream = torch.cuda.Stream
+        torch.cuda.Stream = _PlaceholderStream  # only while the one instance is made
+        try:
+            manager_cls.get_instance()
+        finally:
+            torch.cuda.Stream = cuda_stream
+
+
+def _owners(name: str) -> list[tuple[Any, str]]:
+    """The Megatron attributes shim ``name`` replaces (checked before anything is patched)."""
+    from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.transformer.moe import token_dispatcher
+
+    alltoall = token_dispatcher.MoEAlltoAllTokenDispatcher
+    if name == "builtin_stash_manager":
+        from megatron.core.transformer.moe import paged_stash
+
+        return [(paged_stash.PagedStashManager, "get_instance")]
+    return {
+        "checkpoint_backward_in_mode": [(mcore_random.CheckpointFunction, "backward")],
+        "cuda_rng": [(mcore_random, "_get_cuda_rng_state"), (mcore_random, "_set_cuda_rng_state")],
+        # te_general_gemm: set whether or not the release defines it (0.16.1 leaves it
+        # undefined without TE, 0.19.2 defines it as None): nothing to check.
+        "alltoall_dtoh": [
+            (alltoall, "_maybe_dtoh_and_synchronize"),
+            (alltoall, "cuda_dtoh_stream"),
+        ],
+        "checkpoint_without_output_fp8": [(mcore_random.CheckpointWithoutOutput, "__init__")],
+    }.get(name, [])
+
+
+#: Every shim by name: what :func:`install` calls for it (see the module's table).
+SHIMS: dict[str, Callable[[TorchFunctionMode], None]] = {
+    "no_compile": _patch_no_compile,
+    "current_device": _patch_current_device,
+    "current_stream": _patch_current_stream,
+    "synchronize": _patch_synchronize,
+    "cuda_rng": _patch_cuda_rng,
+    "te_general_gemm": _patch_te_general_gemm,
+    "alltoall_dtoh": _patch_alltoall_dtoh,
+    "checkpoint_without_output_fp8": _patch_checkpoint_without_output,
+    "cuda_factories": _patch_cuda_factories,
+    "checkpoint_backward_in_mode": _patch_checkpoint_backward,
+    "builtin_stash_manager": _patch_builtin_stash_manager,
+}
+
+
+def install() -> None:
+    """Apply the installed release's shims (idempotent). Call once per process, before
+    building Megatron modules.
+
+    Raises ``RuntimeError`` when CUDA is available (the shims would hide real CUDA calls), when
+    the installed megatron-core is not a supported release (naming the supported ones), or
+    when an attribute a shim replaces is missing from it.
     """
     if _state["installed"]:
         return
@@ -169,49 +313,16 @@ def install() -> None:
             "te_paged's Megatron CPU shims are for machines without CUDA; on a GPU machine "
             "run Megatron as it is (do not call cpu_shims.install())"
         )
-    megatron_version()
-    from megatron.core.tensor_parallel import random as mcore_random
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher
-
-    expected = (
-        (moe_utils, "te_general_gemm", False),
-        (token_dispatcher.MoEAlltoAllTokenDispatcher, "_maybe_dtoh_and_synchronize", True),
-        (token_dispatcher.MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", True),
-        (mcore_random, "_get_cuda_rng_state", True),
-        (mcore_random, "_set_cuda_rng_state", True),
-        (mcore_random.CheckpointWithoutOutput, "__init__", True),
-        (mcore_random.CheckpointFunction, "backward", True),
-    )
-    for owner, name, must_exist in expected:
-        if must_exist and not hasattr(owner, name):
-            raise RuntimeError(
-                f"{owner.__name__}.{name} is missing: the shims no longer match megatron-core "
-                f"{PINNED_VERSION}"
-            )
-    from torch import _dynamo
-
-    _dynamo.config.disable = True  # read per frame, so it holds for compiled-at-import fns
-    torch.cuda.current_device = lambda: torch.device("cpu")
-    torch.cuda.synchronize = lambda *args, **kwargs: None
-    torch.cuda.get_rng_state = _cpu_rng_state
-    torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)
-    moe_utils.te_general_gemm = None
-    dispatcher = token_dispatcher.MoEAlltoAllTokenDispatcher
-    dispatcher.cuda_dtoh_stream = object()  # non-None: the constructor then creates no stream
-    dispatcher._maybe_dtoh_and_synchronize = _host_dtoh_and_synchronize
-    mcore_random._get_cuda_rng_state = _cpu_rng_state
-    mcore_random._set_cuda_rng_state = _set_cpu_rng_state
-    mcore_random.CheckpointWithoutOutput.__init__ = _checkpoint_without_output_init
-    # The tracker's fork compares the CPU state before and after: with the CPU generator
-    # standing in for the CUDA one it always changes, and every fork would log a warning.
-    logging.getLogger(mcore_random.__name__).setLevel(logging.ERROR)
+    release = installed_release()
+    for name in release.cpu_shims:
+        for owner, attr in _owners(name):
+            if not hasattr(owner, attr):
+                raise RuntimeError(
+                    f"{owner.__name__}.{attr} is missing: the CPU shim {name!r} no longer "
+                    f"matches megatron-core {release.version}"
+                )
     mode = _CudaAllocationsOnCpu()
-    mode.__enter__()  # for the rest of the process, like torch.set_default_device
-    recompute = mcore_random.CheckpointFunction.backward
-
-    def backward_in_mode(ctx, *grads):
-        with mode:
-            return recompute(ctx, *grads)
-
-    mcore_random.CheckpointFunction.backward = staticmethod(backward_in_mode)
-    _state.update(installed=True, mode=mode)
+    for name in SHIMS:  # the table's order: the mode is entered after the plain patches
+        if name in release.cpu_shims:
+            SHIMS[name](mode)
+    _state.update(installed=True, mode=mode, shims=release.cpu_shims)

@@ -3,7 +3,7 @@
 Shape suffixes: ``N`` local tokens (``S·B``), ``E`` experts, ``K`` top-k, ``H`` hidden, ``T``
 rows handed to the local experts (``max_num_tokens`` in static mode).
 
-Megatron 0.16's alltoall and allgather dispatchers hand the experts dynamic ``[kept rows, H]``
+Megatron's alltoall and allgather dispatchers hand the experts dynamic ``[kept rows, H]``
 buffers with host counts, so paged stash has no padding to cut. This dispatcher implements the
 same six-call interface ``MoELayer`` drives —
 
@@ -23,12 +23,13 @@ the real rows, and nothing reads a count on the host.
 
 **Budget** — Megatron HybridEP's rule (``_HybridEPManager.setup_metadata`` in Megatron-LM with
 ``moe_expert_rank_capacity_factor``): ``int(N · K · factor)`` (float arithmetic, truncated),
-rounded up to Megatron's quantisation alignment (``get_align_size_for_quantization``: 16, or 32
-with MXFP8). te_paged then splits it into ``P`` equal (source, destination) pair budgets; when
-``P`` does not divide it (``P`` not a power of two), it is rounded up to a multiple of
+rounded up to Megatron's quantisation alignment (``get_align_size_for_quantization``: 16 on
+0.16.1 and 0 — none — on 0.19.2 without FP8, 32 with MXFP8, 256 with 0.19.2's op fuser).
+te_paged then splits it into ``P`` equal (source, destination) pair budgets; when ``P`` does
+not divide it (``P`` not a power of two), it is rounded up to a multiple of
 ``lcm(alignment, P)`` — the one place it differs from HybridEP, whose budget is per receiving
-rank, not per pair. Example: 2,048 tokens, top-8, factor 1.1: ``int(18022.4) = 18022`` → 18,032
-rows, 4,508 per pair at EP 4.
+rank, not per pair. Example: 2,048 tokens, top-8, factor 1.1, alignment 16:
+``int(18022.4) = 18022`` → 18,032 rows, 4,508 per pair at EP 4.
 
 **Top-k from the routing map**: Megatron's router returns a dense ``[N, E]`` probability and a
 boolean routing map. Each token's ``K`` routed experts are taken in ascending expert order; a
@@ -57,7 +58,10 @@ def hybrid_ep_rank_budget(topk: int, align: int, ep_size: int) -> Callable[[int,
     18032
     >>> hybrid_ep_rank_budget(topk=2, align=16, ep_size=3)(100, 1.1)  # lcm(16, 3) = 48
     240
+    >>> hybrid_ep_rank_budget(topk=2, align=0, ep_size=4)(100, 1.1)  # 0: no alignment (0.19.2)
+    220
     """
+    align = align or 1  # megatron-core 0.19.2 answers 0 when no quantisation needs padding
     whole = math.lcm(align, ep_size)
 
     def rank_budget(num_tokens: int, factor: float) -> int:
@@ -122,6 +126,31 @@ class StaticBudgetTokenDispatcher:
         self._shape: torch.Size | None = None
         self._handle: DispatchHandle | None = None
         self._tokens_per_expert: torch.Tensor | None = None
+
+    def get_expert_zero_copy_buffers(self) -> tuple[None, None]:
+        """megatron-core 0.19.2's ``MoELayer`` asks every dispatcher for buffers its experts
+        should write into (NCCL EP's zero-copy); this one exchanges through its own."""
+        return None, None
+
+    @property
+    def check_over_budget(self) -> Callable[[], torch.Tensor]:
+        """Refuses Megatron's own ``PagedStashRunner`` (megatron-core 0.19.2).
+
+        That runner finds the layers it reruns by ``hasattr(token_dispatcher,
+        "check_over_budget")``, and clears their flags and budget through
+        ``token_dispatcher._comm_manager`` — HybridEP's internals, which this dispatcher has
+        not. Around te_paged's layers it would see no over-budget flag and no te_paged stash
+        overflow, and keep a step that dropped tokens. Looking this attribute up (``hasattr``
+        included) therefore raises, at that runner's construction.
+        """
+        raise TypeError(
+            "Megatron's PagedStashRunner cannot drive te_paged's static-budget dispatcher: it "
+            "would not see te_paged's over-budget and stash-overflow flags, nor rerun the step. "
+            "Use te_paged.integrations.megatron.MegatronPagedStashRunner(model, optimizer) in "
+            "its place (docs/megatron.md); with Megatron-LM's training loop, which builds "
+            "Megatron's runner whenever moe_expert_rank_capacity_factor is set, call the "
+            "te_paged runner from your own training step"
+        )
 
     def set_shared_experts(self, shared_experts: object) -> None:
         raise ValueError(

@@ -16,6 +16,7 @@ experts' rows are dynamic and the layer keeps them out of the stash
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Mapping
 
 import torch
@@ -58,9 +59,17 @@ def check_static_budget_config(config: object, tp_size: int = 1) -> None:
 class PagedStashMoELayer(MoELayer, PagedStashParticipant):
     """Megatron's ``MoELayer`` whose token dispatcher is :class:`StaticBudgetTokenDispatcher`.
 
-    Megatron's constructor arguments (``config, submodules, layer_number, pg_collection``) plus
-    the spec param ``overrides`` (te_paged-only config fields, e.g. the capacity factor, see
+    Megatron's constructor arguments (``config, submodules, layer_number, pg_collection``, and
+    whatever else the release's ``TransformerLayer`` passes, e.g. 0.19.2's ``is_mtp_layer`` and
+    ``name``, handed on to ``MoELayer`` as they are) plus the spec param ``overrides``
+    (te_paged-only config fields, e.g. the capacity factor, see
     :func:`~te_paged.integrations.megatron.megatron_moe_config`).
+
+    A config that selects Megatron's ``"flex"`` dispatcher (HybridEP, NCCL EP or DeepEP: a
+    0.19.2 config written for Megatron's own paged stash must) never builds it: ``MoELayer``'s
+    constructor sees a copy of the config with ``moe_token_dispatcher_type="alltoall"`` (a
+    dispatcher that needs no communication library, replaced right after), and the layer keeps
+    the user's config.
     """
 
     def __init__(
@@ -71,8 +80,14 @@ class PagedStashMoELayer(MoELayer, PagedStashParticipant):
         pg_collection: object = None,
         *,
         overrides: Mapping[str, object] | None = None,
+        **megatron_kwargs: object,
     ) -> None:
-        super().__init__(config, submodules, layer_number, pg_collection)
+        build_config = config
+        if getattr(config, "moe_token_dispatcher_type", None) == "flex":
+            build_config = copy.copy(config)  # a shallow copy: __post_init__ does not run again
+            build_config.moe_token_dispatcher_type = "alltoall"
+        super().__init__(build_config, submodules, layer_number, pg_collection, **megatron_kwargs)
+        self.config = config
         check_static_budget_config(config, group_size(self.tp_group))
         cfg = megatron_moe_config(config, **dict(overrides or {}))
         self.token_dispatcher = StaticBudgetTokenDispatcher(

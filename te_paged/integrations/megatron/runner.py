@@ -35,6 +35,7 @@ together). Importing this module does not import Megatron.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 from collections.abc import Callable, Iterator
@@ -87,6 +88,42 @@ def _replay(data: Any, is_list: bool) -> Any:
     return None if data is None else iter(data)
 
 
+def _chunk_config(chunk: nn.Module) -> object:
+    """The config of a model chunk, through wrappers (``.module``); ``None`` if it has none."""
+    module: object = chunk
+    while module is not None:
+        config = getattr(module, "config", None)
+        if config is not None:
+            return config
+        module = getattr(module, "module", None)
+    return None
+
+
+def _refuse_megatron_stash(model: nn.Module | list[nn.Module]) -> None:
+    """``ValueError`` when ``model`` holds experts that stash into Megatron's own paged stash
+    (megatron-core 0.19.2's ``TEGroupedMLP`` on its op-fuser path with ``moe_paged_stash``):
+    their process-global manager is reset and read by Megatron's ``PagedStashRunner`` only, so
+    under this runner an overflow there would go unseen."""
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+    chunks = [model] if isinstance(model, nn.Module) else list(model)
+    for chunk in chunks:
+        for name, module in chunk.named_modules():
+            if (
+                isinstance(module, TEGroupedMLP)
+                and getattr(module, "_with_fused_impl", False)  # 0.19.2's op-fuser path
+                and getattr(module.config, "moe_paged_stash", False)
+            ):
+                raise ValueError(
+                    f"{name} is Megatron's own TEGroupedMLP on the op-fuser path with "
+                    "moe_paged_stash=True: it stashes into Megatron's built-in paged stash, "
+                    "whose flags MegatronPagedStashRunner does not read. Either build the MoE "
+                    "layers with te_paged.integrations.megatron.get_te_paged_moe_spec(config) "
+                    "(te_paged's experts and stash; the config's moe_paged_stash* fields carry "
+                    "over), or keep Megatron's experts under Megatron's own PagedStashRunner"
+                )
+
+
 class MegatronPagedStashRunner(PagedStashRunner):
     """Megatron's step under the paged-stash runner; see the module docstring.
 
@@ -115,6 +152,7 @@ class MegatronPagedStashRunner(PagedStashRunner):
         on_record: Callable[[StepRecord], None] | None = None,
         timeout: datetime.timedelta | None = None,
     ) -> None:
+        _refuse_megatron_stash(model)
         super().__init__(
             model,
             group=None,  # the whole world: all pipeline stages and expert groups rerun together
@@ -130,6 +168,9 @@ class MegatronPagedStashRunner(PagedStashRunner):
 
         self.optimizer = optimizer
         self.config = config if config is not None else get_model_config(self.chunks[0])
+        # What Megatron's schedules and GPTModel.forward read moe_paged_stash from (distinct).
+        configs = [self.config, *(_chunk_config(c) for c in self.chunks)]
+        self._configs = list({id(c): c for c in configs if c is not None}.values())
         self.forward_backward_func = forward_backward_func
         self._forward_only = False
         from megatron.core import parallel_state
@@ -161,9 +202,32 @@ class MegatronPagedStashRunner(PagedStashRunner):
         self._forward_only = bool(kwargs.get("forward_only", False))
 
         def step_fn() -> Any:
-            return func(**{**kwargs, "data_iterator": _replay(data, is_list)})
+            with self._builtin_stash_hooks_off():
+                return func(**{**kwargs, "data_iterator": _replay(data, is_list)})
 
-        return self.step(step_fn, step=iteration)
+        return self.step(step_fn, step=iteration, forward_only=self._forward_only)
+
+    @contextlib.contextmanager
+    def _builtin_stash_hooks_off(self) -> Iterator[None]:
+        """megatron-core 0.19.2's own stash hooks off for one ``forward_backward_func`` call.
+
+        With ``config.moe_paged_stash`` the schedules call ``paged_stash_reset()`` and
+        ``GPTModel.forward`` calls ``preprocess_for_paged_stash()`` on Megatron's process-global
+        stash manager. te_paged's layers read the field once, when built, and never stash into
+        that manager, so its bookkeeping is dead weight — and, being global, it carries one
+        model's pipeline layout into the next model of the process (a 1F1B model then an
+        interleaved one: ``update_model_chunk`` indexes past its list). The runner turns the
+        field off on the model's configs for the call, as Megatron's own ``PagedStashRunner``
+        does for its fallback (``_set_moe_paged_stash_all``), and puts it back after.
+        """
+        configs = [c for c in self._configs if getattr(c, "moe_paged_stash", False)]
+        for c in configs:
+            c.moe_paged_stash = False
+        try:
+            yield
+        finally:
+            for c in configs:
+                c.moe_paged_stash = True
 
     # ------------------------------------------------------------------------ state and grads
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import os
 import random
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +26,7 @@ from te_paged.kernels.layout import FLAGS_LEN, META_LEN, STATE_LEN, Flag, Meta, 
 from te_paged.kernels.reference import torch_stash_copy, torch_stash_pop
 from te_paged.kernels.triton_stash import triton_stash_copy, triton_stash_pop
 from tests.host_reads import NoHostReads
+from tests.triton_device import triton_device
 
 # Shape suffixes: R rows (max_rows), H hidden, N pool rows, P pages, M record page slots.
 
@@ -36,15 +36,6 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
-
-
-def _device() -> torch.device:
-    """CPU under the interpreter; CUDA when the kernels are compiled (skip without a GPU)."""
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        pytest.skip("TRITON_INTERPRET=0 compiles the kernels, which needs a CUDA device")
-    return torch.device("cuda")
 
 
 @dataclasses.dataclass
@@ -200,7 +191,7 @@ def _run_sequence(pick: Pick, host_pages: int | None = None, ops: int = 12) -> c
 
     Every op is applied to both twins and compared; returns how many stashes went to each tier.
     """
-    device = _device()
+    device = triton_device()
     page_size = pick("page_size", [2, 3, 4, 8])
     dev_pages = pick("dev_pages", [1, 2, 3, 4, 5])
     if host_pages is None:
@@ -263,7 +254,7 @@ def _run_fragmented(pick: Pick, free_order: list[int] | None = None) -> int:
     """Fill both tiers with one-page tensors, pop some of them in ``free_order`` (or a picked
     order), then stash and pop bigger tensors on the scattered pages; returns how many of the
     reference's moves took its indexed path (page lists of more than four runs)."""
-    device = _device()
+    device = triton_device()
     dtype = pick("dtype", _DTYPES)
     hidden = pick("hidden", [4, 8, 16] if dtype != torch.uint8 else [3, 16])
     page_size = pick("page_size", [1, 2, 3])
@@ -299,7 +290,7 @@ def test_alternating_free_pages_match_reference(monkeypatch, use_mover) -> None:
     choices = {"dtype": torch.int16, "hidden": 8, "page_size": 2, "dev_pages": 12,
                "host_pages": 0, "ops": 3, "max_rows": 11, "num_tokens": 11}  # fmt: skip
     moves = _run_fragmented(lambda label, xs: choices.get(label, xs[-1]), list(range(6)))
-    by_mover = use_mover and native.page_mover() is not None and _device().type == "cpu"
+    by_mover = use_mover and native.page_mover() is not None and triton_device().type == "cpu"
     # Three stashes of six scattered pages and their pops, all by index (or none: the mover).
     assert moves == (0 if by_mover else 6)
 
@@ -312,7 +303,7 @@ def test_hypothesis_fragmented_pools_match_reference(data) -> None:
 
 
 def _single(dtype=torch.int16, hidden=4, page_size=2, dev_pages=2, host_pages=0) -> Twin:
-    device = _device()
+    device = triton_device()
     return Twin(
         {dtype: Pool.build(dtype, hidden, page_size, dev_pages, host_pages, device)}, device
     )
@@ -392,7 +383,7 @@ def test_zero_tokens_is_a_device_record_of_no_rows() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.float32, torch.float16])
 def test_other_element_types_move_as_bits(dtype) -> None:
-    device = _device()
+    device = triton_device()
     twin = Twin({dtype: Pool.build(dtype, 3, 3, 4, 3, device)}, device)
     src_RH = _bits(dtype, (7, 3), 0, "cpu")
     if dtype.is_floating_point:  # no arithmetic may touch these: loads and stores only
@@ -422,7 +413,7 @@ def test_row_tiles_loop_when_the_grid_is_capped(monkeypatch) -> None:
 def test_pop_into_a_shorter_dst_never_writes_past_it() -> None:
     # A caller bug: the reference fails on it (a shape mismatch in copy_); the kernel cannot
     # raise without a host read, so it clamps to dst's rows rather than write out of bounds.
-    device = _device()
+    device = triton_device()
     pool = Pool.build(torch.int16, 4, 2, 3, 0, device)
     flags = torch.zeros(FLAGS_LEN, dtype=torch.int64, device=device)
     rec = Record.empty(6, 2, device)
@@ -447,7 +438,7 @@ def test_pop_into_a_shorter_dst_never_writes_past_it() -> None:
 
 @pytest.mark.parametrize("host_pages", [0, 3])
 def test_wrappers_read_nothing_on_the_host(host_pages) -> None:
-    device = _device()
+    device = triton_device()
     pool = Pool.build(torch.int16, 4, 2, 1, host_pages, device)
     flags = torch.zeros(FLAGS_LEN, dtype=torch.int64, device=device)
     src_RH = _bits(torch.int16, (4, 4), 0, device)
@@ -494,7 +485,7 @@ def test_wrappers_read_nothing_on_the_host(host_pages) -> None:
 
 
 def test_shape_errors_name_the_problem() -> None:
-    device = _device()
+    device = triton_device()
     pool = Pool.build(torch.int16, 4, 2, 2, 0, device)
     flags = torch.zeros(FLAGS_LEN, dtype=torch.int64, device=device)
     meta = torch.zeros(META_LEN, dtype=torch.int64, device=device)

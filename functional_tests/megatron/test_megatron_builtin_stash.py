@@ -1,0 +1,121 @@
+"""te_paged beside megatron-core 0.19.2's built-in paged stash (4 gloo ranks, EP 4).
+
+One ``torchrun`` launch runs every case of ``builtin_worker.py`` (see its docstring) against
+megatron-core 0.19.2; the tests read its per-rank JSON. What they show:
+
+* one stash system at a time: with ``config.moe_paged_stash=True`` and te_paged's spec,
+  Megatron's schedule and model hooks are off under te_paged's runner, and without the runner
+  they run but Megatron's global manager allocates and records nothing; te_paged's stash does
+  the paging, ON == OFF bitwise;
+* the two wrong pairings (Megatron's runner around te_paged's layers, te_paged's runner around
+  Megatron's fused experts with the built-in stash) are refused with the fix;
+* an evaluation step with autograd on stashes nothing and never counts towards the fallback
+  limit (the same evaluation stashed as training did would overflow and trip the limit);
+* ``measure_fallback_memory`` works with Megatron's DDP wrapper;
+* a forced over-budget step: te_paged's rerun equals a run that never overflowed, bitwise;
+  Megatron's ``PagedStashRunner`` restores no random state, so its rerun with dropout does not.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from functional_tests.megatron import DEFAULT_RELEASE, run_workers
+
+WORLD_SIZE = 4
+LAUNCH_TIMEOUT_S = 300
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    assert DEFAULT_RELEASE == "0.19.2"  # the release with the built-in stash
+    out = tmp_path_factory.mktemp("megatron_builtin")
+    return run_workers(
+        "builtin_worker", out, world_size=WORLD_SIZE, timeout_s=LAUNCH_TIMEOUT_S, release="0.19.2"
+    )
+
+
+def test_megatrons_hooks_are_off_under_the_runner_and_inert_without_it(ranks) -> None:
+    for rank, result in enumerate(ranks):
+        case = result["inert"]
+        # Under te_paged's runner none of Megatron's stash code runs.
+        assert set(case["under_runner"].values()) == {0}, (rank, case["under_runner"])
+        # Without the runner the hooks are live: the schedule resets Megatron's manager every
+        # call, GPTModel.forward calls the chunk handler every microbatch (the spies count)...
+        direct = case["direct"]
+        assert direct["reset"] == 2 and direct["chunk"] == 4, (rank, direct)
+        # ...and still: no buffer, no saved tensor, no capture, nothing queued.
+        assert direct["buffers"] == direct["saved"] == direct["group"] == 0, (rank, direct)
+        assert case["megatron_status"] == "captured", case  # it went through its allocation
+        assert case["megatron_stash_buffers"] == {}, case
+        assert case["megatron_captured"] is None, case
+        assert case["megatron_pending"] == 0, case
+        # te_paged's stash did the paging, and ON == OFF.
+        stashes, pops = case["te_paged_stashes_pops"]
+        assert stashes == pops > 0, case
+        assert case["attempt"] == [1] * STEPS, case
+        assert case["equal"] == [True] * STEPS, case
+
+
+def test_megatrons_runner_around_te_paged_layers_is_refused_naming_the_fix(ranks) -> None:
+    for result in ranks:
+        message = result["refusals"]["megatron_runner"]
+        assert message is not None, "Megatron's PagedStashRunner was built around te_paged"
+        assert "MegatronPagedStashRunner(model, optimizer)" in message
+        assert "would not see te_paged's over-budget and stash-overflow flags" in message
+
+
+def test_te_paged_runner_around_megatrons_fused_stashing_experts_is_refused(ranks) -> None:
+    for result in ranks:
+        refusals = result["refusals"]
+        fused = refusals["te_paged_runner_fused_True"]
+        assert fused is not None and "Megatron's own TEGroupedMLP on the op-fuser path" in fused
+        assert "get_te_paged_moe_spec(config)" in fused  # the fix
+        # The unfused path stashes nothing into Megatron's manager: not that refusal (this
+        # layer has no te_paged participant at all, which the runner says).
+        unfused = refusals["te_paged_runner_fused_False"]
+        assert unfused is not None and "no paged-stash participant" in unfused
+
+
+def test_evaluation_steps_stash_nothing_and_never_trip_the_fallback_limit(ranks) -> None:
+    for rank, result in enumerate(ranks):
+        case = result["eval"]
+        assert case["error"] is None, case
+        assert case["train_attempt"] == [1, 1, 1], case  # training around it stays paged
+        for ev in case["eval"]:
+            assert ev["attempt"] == 1 and ev["stash_overflow_ranks"] == 0, (rank, ev)
+            assert ev["stashes"] == 0 and not ev["enabled"], (rank, ev)
+            assert ev["consecutive_fallbacks"] == 0, (rank, ev)
+
+
+def test_evaluation_stashed_as_training_overflows_and_trips_the_limit(ranks) -> None:
+    # What the runner did before: the guard above is what keeps this from happening.
+    for result in ranks:
+        case = result["eval_mutation"]
+        assert all(ev["stash_overflow_ranks"] > 0 for ev in case["eval"]), case
+        assert [ev["consecutive_fallbacks"] for ev in case["eval"]] == [1, 2, 3], case
+        assert case["error"] is not None and "3 consecutive steps" in case["error"], case
+
+
+def test_fallback_memory_is_measured_through_megatrons_ddp_wrapper(ranks) -> None:
+    for result in ranks:
+        capture, overflowed = result["fallback_memory"]["records"]
+        assert capture["attempt"] == 1 and capture["fallback_peak_bytes"] is None
+        assert overflowed["attempt"] == 2, overflowed
+        assert overflowed["fallback_peak_bytes"] > 0, overflowed
+        assert "MemTracker" in overflowed["fallback_memory_method"], overflowed
+
+
+def test_te_paged_reruns_bitwise_where_megatrons_runner_does_not(ranks) -> None:
+    for rank, result in enumerate(ranks):
+        te_paged, megatron = result["reruns"]["te_paged"], result["reruns"]["megatron"]
+        # Both reran every step, their references never.
+        for runner in (te_paged, megatron):
+            assert runner["attempt"] == [2] * STEPS, (rank, runner)
+            assert runner["reference_attempt"] == [1] * STEPS, (rank, runner)
+        assert te_paged["equal"] == [True] * STEPS, (rank, te_paged)
+        # Megatron's rerun draws new dropout masks: the first step's loss already differs.
+        assert megatron["equal"] == [False] * STEPS, (rank, megatron)
+        assert megatron["loss"][0] != megatron["reference_loss"][0], (rank, megatron)
+        assert all(d > 0 for d in megatron["max_param_diff"]), (rank, megatron)

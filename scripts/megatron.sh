@@ -1,0 +1,29 @@
+# Sourced by scripts/test.sh (after env.sh): the two megatron-core releases te_paged is tested
+# against, each in its own folder of the virtual environment, imported by path.
+#
+#   $VENV/megatron/0.19.2   the current release; the default (a .pth file puts it on sys.path)
+#   $VENV/megatron/0.16.1   the earlier one; a test selects it with PYTHONPATH
+#
+# megatron-core 0.19.2 declares Python >= 3.12. Its Python files run on 3.11 (the datasets
+# helper, its one compiled file, is not used by te_paged), so for the tests its wheel is
+# installed for 3.12 into a folder, without pip's interpreter check. Users on Python 3.12
+# install it normally: `pip install --no-deps megatron-core==0.19.2`.
+"$PY" -m pip install -q --disable-pip-version-check numpy packaging psutil
+for spec in 0.19.2:3.12 0.16.1:3.11; do  # release:the Python its wheel is taken for
+  release=${spec%%:*}
+  target="$VENV/megatron/$release"
+  [ -f "$target/megatron/core/package_info.py" ] && continue
+  rm -rf "$target"
+  "$PY" -m pip install -q --disable-pip-version-check --no-deps --only-binary=:all: \
+    --python-version "${spec##*:}" --ignore-requires-python --target "$target" \
+    "megatron-core==$release"
+done
+SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+# A megatron-core in site-packages itself (an older set-up installed 0.16.1 there) would shadow
+# the .pth entry, which comes after site-packages on sys.path. (Not `pip show`: it also finds
+# the releases' own folders through the .pth file, and pip would uninstall from there.)
+if compgen -G "$SITE/megatron_core-*.dist-info" >/dev/null; then
+  "$PY" -m pip uninstall -q -y megatron-core
+fi
+echo "$(cd "$VENV/megatron/0.19.2" && pwd)" >"$SITE/te_paged_test_megatron.pth"
+export TE_PAGED_TEST_MEGATRON_ROOT="$(cd "$VENV/megatron" && pwd)"

@@ -1,0 +1,129 @@
+"""What differs between the megatron-core releases te_paged supports: one table, read here.
+
+Every other module of the integration asks :func:`installed_release` for a
+:class:`MegatronRelease` and reads its fields; nothing else compares version strings.
+
+=========================================  ======================  ======================
+                                           0.16.1                  0.19.2
+=========================================  ======================  ======================
+``TransformerConfig`` has ``moe_paged_     no: te_paged's keyword  yes: read from the
+stash*`` and ``moe_expert_rank_capacity_   overrides supply them   user's config (the
+factor``                                                           overrides still may)
+Megatron's own paged stash                 none                    ``transformer/moe/
+                                                                   paged_stash.py``: a
+                                                                   global manager, hooks
+                                                                   in ``GPTModel.forward``
+                                                                   and the schedules
+``MoELayer`` builds a flex dispatcher      ``moe_token_            with ``moe_expert_rank_
+te_paged must not construct                dispatcher_type=        capacity_factor``:
+                                           "flex"`` (DeepEP)       ``"flex"`` (HybridEP,
+                                                                   NCCL EP)
+CPU shims (:mod:`.cpu_shims`)              the 0.16.1 set          the same, plus the
+                                                                   global stash manager's
+                                                                   CUDA stream, DDP's
+                                                                   ``current_stream()``
+=========================================  ======================  ======================
+
+Importing this module does not import Megatron.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+__all__ = [
+    "RELEASES",
+    "SUPPORTED",
+    "MegatronRelease",
+    "install_line",
+    "installed_release",
+    "installed_version",
+]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MegatronRelease:
+    """One supported megatron-core release and what te_paged does differently for it."""
+
+    version: str
+    #: ``TransformerConfig`` has ``moe_paged_stash``, ``moe_paged_stash_page_size``,
+    #: ``moe_paged_stash_buffer_size_factor_cuda``/``_cpu`` and
+    #: ``moe_expert_rank_capacity_factor``, so te_paged reads them from the user's config.
+    config_has_paged_stash_fields: bool
+    #: ``megatron.core.transformer.moe.paged_stash`` exists: a process-global stash manager
+    #: whose hooks run whenever ``config.moe_paged_stash`` is set (te_paged keeps them inert).
+    builtin_paged_stash: bool
+    #: The CPU shims :func:`~te_paged.integrations.megatron.cpu_shims.install` applies, by
+    #: name (see that module's table).
+    cpu_shims: tuple[str, ...]
+    #: Python the release's wheel declares (``Requires-Python``); on an older interpreter its
+    #: Python files still run (tests only, see docs/megatron.md).
+    requires_python: str
+
+
+_CPU_SHIMS_0_16 = (
+    "current_device",
+    "synchronize",
+    "cuda_factories",
+    "checkpoint_backward_in_mode",
+    "cuda_rng",
+    "te_general_gemm",
+    "alltoall_dtoh",
+    "checkpoint_without_output_fp8",
+    "no_compile",
+)
+
+RELEASES: dict[str, MegatronRelease] = {
+    r.version: r
+    for r in (
+        MegatronRelease(
+            version="0.16.1",
+            config_has_paged_stash_fields=False,
+            builtin_paged_stash=False,
+            cpu_shims=_CPU_SHIMS_0_16,
+            requires_python=">=3.10",
+        ),
+        MegatronRelease(
+            version="0.19.2",
+            config_has_paged_stash_fields=True,
+            builtin_paged_stash=True,
+            cpu_shims=(*_CPU_SHIMS_0_16, "builtin_stash_manager", "current_stream"),
+            requires_python=">=3.12",
+        ),
+    )
+}
+#: The supported releases, oldest first.
+SUPPORTED: tuple[str, ...] = tuple(RELEASES)
+
+
+def install_line(version: str = SUPPORTED[-1]) -> str:
+    """The pip line that installs ``version`` next to the user's torch."""
+    return f"pip install --no-deps megatron-core=={version} numpy packaging psutil"
+
+
+def installed_version() -> str:
+    """The installed megatron-core's release, ``major.minor.patch`` (0.19.2 appends the git
+    hash of the folder it is installed in to ``__version__``; the release is the first three
+    parts). ``RuntimeError`` with the install line when Megatron is missing."""
+    try:
+        info = importlib.import_module("megatron.core.package_info")
+    except ImportError as e:
+        raise RuntimeError(
+            f"megatron-core is not importable ({e}); install a supported release "
+            f"({', '.join(SUPPORTED)}) with `{install_line()}` (keeps your torch as it is)"
+        ) from e
+    return ".".join(str(part) for part in info.VERSION[:3])
+
+
+def installed_release() -> MegatronRelease:
+    """The :class:`MegatronRelease` of the installed megatron-core; ``RuntimeError`` naming
+    the supported releases when it is another one."""
+    version = installed_version()
+    release = RELEASES.get(version)
+    if release is None:
+        raise RuntimeError(
+            f"megatron-core {version} is installed; te_paged supports megatron-core "
+            f"{' and '.join(SUPPORTED)}: install one with `{install_line()}`"
+        )
+    return release
