@@ -376,8 +376,10 @@ def test_ab_engine_megatron_default_model_is_bitwise_and_saves_memory(tmp_path) 
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "| step | loss ON | loss OFF |" in proc.stdout and "bitwise equal" in proc.stdout
     assert "Traceback" not in proc.stderr
+    assert proc.stdout.startswith("megatron-core 0.19.2\n")  # the release the ranks ran
     data = check_record(js)  # strict JSON, valid against the schema
     assert data["engine"] == "megatron" and data["world_size"] == 4
+    assert data["megatron_core_version"] == "0.19.2"
     assert data["config"]["layers"] == 4 and data["config"]["dropout"] == 0.1
     for rank in data["ranks"]:
         assert all(rank["grads_equal"]), rank["grads_equal"]  # every parameter, every step
