@@ -142,6 +142,23 @@ def main(argv: list[str] | None = None) -> int:
         mx = dataclasses.replace(BASE, fp8="mxfp8", recompute=True)
         mx_on, mx_off = train(mx, paged=True), train(mx, paged=False)
         res["mxfp8_recompute"] = {"on_equals_off": same(mx_on, mx_off), "on": summary(mx_on)}
+        # 5b. ranks that hold different pool keys (ranks 2 and 3 store MXFP8: two more pools,
+        #     data and scales) through forced overflows and an over-budget rerun: one
+        #     reduction layout on every rank, each key's high-water mark from the ranks with it
+        mixed = dataclasses.replace(BASE, fp8="mxfp8") if rank >= 2 else BASE
+        mixed_ref = train(mixed, paged=False, dropless=True)
+        mixed_overflow = train(dataclasses.replace(mixed, buffer_factor_cuda=0.2), paged=True)
+        mixed_skewed_ref = train(mixed, paged=False, dropless=True, skew_rank=0)
+        mixed_over = train(mixed, paged=True, skew_rank=0)
+        mixed_on = train(dataclasses.replace(mixed, buffer_factor_cuda=3.0), paged=True)
+        res["mixed_keys"] = {
+            "overflow_equals_reference": same(mixed_overflow, mixed_ref),
+            "over_budget_equals_reference": same(mixed_over, mixed_skewed_ref),
+            "on_equals_reference": same(mixed_on, mixed_ref),
+            "overflow": summary(mixed_overflow),
+            "over_budget": summary(mixed_over),
+            "on": summary(mixed_on),
+        }
         # 6. repeated forced overflow: the runaway guard
         guard = train(dataclasses.replace(BASE, steps=4), paged=True, skew_rank=0, max_fallbacks=2)
         res["guard"] = summary(guard)

@@ -8,7 +8,9 @@
    reference, the record counts 1 rank and suggests a capacity factor that then fits;
 4. stash overflow with host spill off: rerun, equal; with host spill on: no rerun,
    ``host_spill_ranks > 0``, equal;
-5. MXFP8 with ``moe_act`` recompute: ON vs OFF bitwise equal;
+5. MXFP8 with ``moe_act`` recompute: ON vs OFF bitwise equal; ranks that hold different pool
+   keys (MXFP8 on two ranks only) through forced stash overflows and an over-budget rerun: one
+   reduction layout everywhere, every result equal to the dropless reference;
 6. repeated forced fallbacks: the runaway guard raises on every rank with suggested factors;
 7. a routing profile recorded by the runner under a skew: the same on every rank, split by
    source rank; the capacity factor ``plan`` derives from it runs without a rerun, the one from
@@ -106,3 +108,24 @@ def test_recorded_profile_sizes_the_pair_budget_exactly(ranks) -> None:
         assert all(r["overbudget_ranks"] == 0 for r in at_exact["records"])
         assert 2 in attempts(at_lower)
     assert all(r["stash_overflow_ranks"] == 0 for r in at_lower["records"])  # over budget only
+
+
+def test_ranks_with_different_pool_keys_reduce_one_layout_and_rerun_bitwise(ranks) -> None:
+    # Ranks 2 and 3 store MXFP8 (data and scale pools besides the float32 ones): before, the
+    # reduction's length followed each rank's own pool keys and gloo aborted on the mismatch.
+    for rank, result in enumerate(ranks):
+        case = result["mixed_keys"]
+        assert case["overflow_equals_reference"], (rank, case["overflow"])
+        assert case["over_budget_equals_reference"], (rank, case["over_budget"])
+        assert case["on_equals_reference"], (rank, case["on"])
+        overflow = case["overflow"]["records"]
+        assert [r["attempt"] for r in overflow[1:]] == [2] * (len(overflow) - 1), overflow
+        assert all(r["stash_overflow_ranks"] == 4 for r in overflow[1:]), overflow
+        assert all(r["attempt"] == 2 for r in case["over_budget"]["records"])
+        on = case["on"]["records"]
+        assert all(r["attempt"] == 1 for r in on), on
+        # Each side holds pools the other has not (float32 rows vs MXFP8 data and scales): the
+        # record's high-water marks cover the union.
+        local, union = set(on[-1]["pool_pages"]), set(on[-1]["pool_high_water_pages"])
+        assert local < union, (rank, local, union)
+        assert all(v > 0 for v in on[-1]["pool_high_water_pages"].values()), on[-1]

@@ -14,8 +14,9 @@ result equals that of a run that never overflowed. Per step the runner:
    CUDA generators; a framework runner adds its own, e.g. Megatron's RNG tracker);
 3. runs the step, then one ``all_reduce(SUM)`` over a small vector: one slot per rank with
    its step index, its 0/1 flags [stash overflow, over budget, host spill] and statistics
-   (zero elsewhere, so the sum *is* the gather). That is the only device→host read of a step
-   without fallback. Ranks whose step indices differ skipped or repeated a step:
+   (zero elsewhere, so the sum *is* the gather), the same length on every rank whatever pool
+   keys it holds (pairs of key code and high-water pages). That is the only device→host read
+   of a step without fallback. Ranks whose step indices differ skipped or repeated a step:
    :class:`StepDesyncError`, naming them;
 4. on overflow or over budget: restores the snapshot, zeroes what the attempt accumulated
    (:meth:`PagedStashRunner.clear_gradients`, then the ``before_rerun`` hook for a framework's
@@ -65,7 +66,7 @@ from te_paged.moe import MoELayer, StaticBudgetDispatcher
 from te_paged.moe.participant import Participants, find_participants
 from te_paged.runtime.memory import measure_peak
 from te_paged.runtime.planner import RoutingProfile
-from te_paged.stash import PagedStashManager
+from te_paged.stash import PagedStashManager, StashKey
 from te_paged.telemetry import nvtx_range
 
 __all__ = [
@@ -79,6 +80,26 @@ __all__ = [
 
 _MARGIN = 1.05  # headroom on suggested factors, so a repeat of the same peak fits
 _FLAGS = 3  # per rank: stash overflow, over budget, host spill
+_HEAD = 8  # per rank: step, stage, invalid, the _FLAGS flags, peak tokens, peak pair tokens
+_MAX_KEYS = 16  # pool keys (dtype, row width) a rank may hold: the reduction's fixed room
+_SLOT = _HEAD + 2 * _MAX_KEYS  # one rank's entries in the per-step reduction, on every rank
+
+# Pool keys as int64 codes for the reduction: (index of the dtype among torch's dtypes + 1)
+# << 32 | row width. Every rank runs the same torch, so the index agrees; 0 is "no key".
+# E.g. float32 x 4096 -> (index(float32) + 1) * 2**32 + 4096.
+_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+
+
+def key_code(key: StashKey) -> int:
+    """``key`` as a positive int64 (see ``_DTYPES``)."""
+    if not 0 < key.hidden < 2**32:
+        raise ValueError(f"pool key {key}: its row width does not fit the reduction's code")
+    return (_DTYPES.index(key.dtype) + 1) << 32 | key.hidden
+
+
+def key_from_code(code: int) -> StashKey:
+    return StashKey(_DTYPES[(code >> 32) - 1], code & (2**32 - 1))
+
 
 logger = logging.getLogger(__name__)
 
@@ -241,12 +262,15 @@ class PagedStashRunner:
             return 0, 1
         return dist.get_rank(self.group), dist.get_world_size(self.group)
 
-    def _local_stats(self, device: torch.device) -> tuple[torch.Tensor, list[str]]:
-        """This rank's slot, a device vector: [step, stage, invalid, overflow, overbudget,
-        spill, peak_tokens, peak_pair, hwm per key...]."""
+    def _local_stats(self, device: torch.device) -> torch.Tensor:
+        """This rank's slot, a device vector of :data:`_SLOT` entries whatever pools the rank
+        holds: [step, stage, invalid, overflow, overbudget, spill, peak_tokens, peak_pair],
+        then :data:`_MAX_KEYS` pairs (key code, high-water pages), zero-padded. Ranks whose
+        pipeline stages hold different pool keys (an FP8 layer on one stage only, say) reduce
+        vectors of one length; the key codes say which pool each high-water mark is of."""
         zero = torch.zeros((), dtype=torch.int64, device=device)
         overflow = spill = invalid = zero
-        hwm: dict[str, torch.Tensor] = {}
+        hwm: dict[StashKey, torch.Tensor] = {}
         for manager in self.managers:
             manager.join_side_streams()  # the flags and pool states are the side streams' too
             overflow = overflow + (manager.flags[Flag.OVERFLOW] > 0).long()
@@ -254,7 +278,13 @@ class PagedStashRunner:
             invalid = invalid + (manager.flags[Flag.INVALID] > 0).long()
             for key, buf in manager.buffers.items():
                 h = buf.state[2].to(device)  # State.HWM
-                hwm[str(key)] = torch.maximum(hwm[str(key)], h) if str(key) in hwm else h
+                hwm[key] = torch.maximum(hwm[key], h) if key in hwm else h
+        if len(hwm) > _MAX_KEYS:
+            raise ValueError(
+                f"this rank holds {len(hwm)} paged-stash pools ({', '.join(map(str, hwm))}); "
+                f"the runner's per-step reduction has room for {_MAX_KEYS} (one pool per "
+                "dtype and row width)"
+            )
         over = peak = peak_pair = zero
         for d in self.dispatchers:
             over = over + (d.over_budget > 0).long().to(device)
@@ -266,16 +296,19 @@ class PagedStashRunner:
         flags = [(overflow > 0).long(), (over > 0).long(), (spill > 0).long()]
         step = torch.tensor([self.step_index, self.stage], dtype=torch.int64, device=device)
         mine = [step, (invalid > 0).long().reshape(1), *(f.reshape(1) for f in flags)]
-        mine += [peak.reshape(1), peak_pair.reshape(1), *(h.reshape(1) for h in hwm.values())]
-        return torch.cat(mine), list(hwm)
+        mine += [peak.reshape(1), peak_pair.reshape(1)]
+        for key, h in hwm.items():
+            mine += [torch.tensor([key_code(key)], dtype=torch.int64, device=device), h.reshape(1)]
+        out = torch.cat(mine)
+        return torch.cat([out, out.new_zeros(_SLOT - out.numel())])
 
-    def _reduce(self) -> tuple[list[list[int]], list[list[int]], list[str]]:
+    def _reduce(self) -> tuple[list[list[int]], list[tuple[int, int, int, dict[str, int]]]]:
         """One ``all_reduce(SUM)`` over one slot per rank (zero elsewhere, so the sum is a
         gather) with its step index, pipeline stage, flags and statistics. Returns, per flag
-        [overflow, overbudget, spill], the ranks that raised it; each rank's statistics
-        ([stage, peak, pair, hwm...]); and the pool keys."""
+        [overflow, overbudget, spill], the ranks that raised it; and each rank's statistics
+        ``(stage, peak, pair, {pool key: high-water pages})``."""
         device = self._device()
-        local, keys = self._local_stats(device)
+        local = self._local_stats(device)
         rank, world = self._world()
         stats_len = local.numel()
         vec = torch.zeros(world * stats_len, dtype=torch.int64, device=device)
@@ -303,7 +336,16 @@ class PagedStashRunner:
                 "a rerun would repeat it. Check what the dispatcher hands the experts"
             )
         flag_ranks = [[r for r, row in enumerate(per_rank) if row[3 + f]] for f in range(_FLAGS)]
-        return flag_ranks, [[r[1], *r[3 + _FLAGS :]] for r in per_rank], keys
+        stats = []
+        for row in per_rank:
+            pairs = row[_HEAD:]
+            hwm = {
+                str(key_from_code(code)): h
+                for code, h in zip(pairs[::2], pairs[1::2], strict=True)
+                if code
+            }
+            stats.append((row[1], row[3 + _FLAGS], row[4 + _FLAGS], hwm))
+        return flag_ranks, stats
 
     def _check_step_indices(self, steps: list[int], rank: int) -> None:
         if len(set(steps)) <= 1:
@@ -385,18 +427,21 @@ class PagedStashRunner:
                     no_stash.enter_context(manager.disabled())
             result = step_fn()
         with nvtx_range("te_paged.reduce"):
-            flag_ranks, per_rank, keys = self._reduce()
+            flag_ranks, per_rank = self._reduce()
         overflow, overbudget, spill = (len(ranks) for ranks in flag_ranks)
         budget, balanced = self._budget()
         peak_tokens = max((r[1] for r in per_rank), default=0)
         peak_pair = max((r[2] for r in per_rank), default=0)
-        hwm = {k: max(r[3 + i] for r in per_rank) for i, k in enumerate(keys)}
+        hwm: dict[str, int] = {}
+        for _, _, _, pools in per_rank:  # every key any rank holds: max over the ranks with it
+            for k, h in pools.items():
+                hwm[k] = max(hwm.get(k, 0), h)
         stages: dict[str, dict[str, int]] = {}
         if any(r[0] for r in per_rank):  # more than one pipeline stage
-            for r in per_rank:
-                mine = stages.setdefault(str(r[0]), {})
-                for i, k in enumerate(keys):
-                    mine[k] = max(mine.get(k, 0), r[3 + i])
+            for stage, _, _, pools in per_rank:
+                mine = stages.setdefault(str(stage), {})
+                for k, h in pools.items():
+                    mine[k] = max(mine.get(k, 0), h)
         record = StepRecord(
             step=self.step_index,
             attempt=1,

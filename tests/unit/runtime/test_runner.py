@@ -388,3 +388,31 @@ def test_a_flags_reduction_that_times_out_raises_a_desync(monkeypatch) -> None:
         runner.step(step_fn(model, 0))
     with pytest.raises(TypeError, match=r"timeout must be a datetime\.timedelta"):
         PagedStashRunner(model, manager, timeout=2)
+
+
+def test_pool_keys_travel_as_codes_in_a_fixed_size_slot() -> None:
+    from te_paged.runtime.runner import _MAX_KEYS, _SLOT, key_code, key_from_code
+    from te_paged.stash import StashKey
+
+    keys = [
+        StashKey(torch.float32, 4096),
+        StashKey(torch.bfloat16, 7168),
+        StashKey(torch.float8_e4m3fn, 7168),
+        StashKey(torch.float8_e8m0fnu, 224),
+    ]
+    codes = [key_code(k) for k in keys]
+    assert len(set(codes)) == len(codes) and all(c > 0 for c in codes)
+    assert [key_from_code(c) for c in codes] == keys
+    # One slot's length whatever pools this rank holds (none yet: the capture step).
+    model, manager = make()
+    runner = PagedStashRunner(model, manager)
+    assert runner._local_stats(torch.device("cpu")).numel() == _SLOT
+    runner.step(step_fn(model, 0))
+    manager.reset()  # allocates this rank's pools
+    assert manager.buffers and runner._local_stats(torch.device("cpu")).numel() == _SLOT
+    for hidden in range(_MAX_KEYS + 1 - len(manager.buffers)):  # one pool too many
+        manager.buffers[StashKey(torch.float64, 1000 + hidden)] = next(
+            iter(manager.buffers.values())
+        )
+    with pytest.raises(ValueError, match=f"holds {_MAX_KEYS + 1} paged-stash pools"):
+        runner._local_stats(torch.device("cpu"))
