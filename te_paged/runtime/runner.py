@@ -53,7 +53,7 @@ import functools
 import json
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -66,6 +66,7 @@ from te_paged.moe import MoELayer, StaticBudgetDispatcher
 from te_paged.moe.participant import Participants, find_participants
 from te_paged.runtime.memory import measure_peak
 from te_paged.runtime.planner import RoutingProfile
+from te_paged.runtime.step_state import ModuleState, ModuleStateSnapshot
 from te_paged.stash import PagedStashManager, StashKey
 from te_paged.telemetry import nvtx_range
 
@@ -131,6 +132,9 @@ class StepRecord:
     # Pipeline parallelism: per stage (its index, as a string), the max over its ranks of the
     # pool high-water pages per key; empty with one stage.
     stage_pool_high_water_pages: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    # This rank's module buffers the failed attempt changed for the first time, so not copied
+    # before it: the rerun started from their changed values (empty: everything was restored).
+    unrestored_state: list[str] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -147,11 +151,14 @@ class InvalidCountsError(RuntimeError):
 
 @dataclasses.dataclass
 class StepState:
-    """What a step consumes that a rerun must give back: every random generator it draws from
-    (torch's CPU generator, each CUDA device's) and whatever a subclass adds in ``extra``."""
+    """What a step consumes or changes that a rerun must give back: every random generator it
+    draws from (torch's CPU generator, each CUDA device's), the model's buffers, FP8 metas and
+    :class:`~te_paged.runtime.step_state.Restorable` s (``modules``), and whatever a subclass
+    adds in ``extra``."""
 
     cpu_rng: torch.Tensor
     cuda_rng: list[torch.Tensor] | None
+    modules: ModuleStateSnapshot | None = None
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -169,7 +176,9 @@ class PagedStashRunner:
     framework's own gradient buffers, or to tell a memory tracker the modules run again).
     ``records`` keeps the last ``keep_records`` :class:`StepRecord` s; ``on_record`` is called
     with each. ``timeout`` bounds the wait for the step's flags (default: the process group's
-    timeout); past it, :class:`StepDesyncError`.
+    timeout); past it, :class:`StepDesyncError`. Before a rerun the runner also puts back the
+    model's buffers, FP8 metas and :class:`~te_paged.runtime.step_state.Restorable` modules;
+    ``restorables`` adds objects outside the model (see :mod:`te_paged.runtime.step_state`).
     """
 
     def __init__(
@@ -186,6 +195,7 @@ class PagedStashRunner:
         keep_records: int = 1000,
         on_record: Callable[[StepRecord], None] | None = None,
         timeout: datetime.timedelta | None = None,
+        restorables: Iterable[object] = (),
     ) -> None:
         require_int("keep_records", keep_records, minimum=0)
         if timeout is not None and not isinstance(timeout, datetime.timedelta):
@@ -197,6 +207,9 @@ class PagedStashRunner:
             )
         self.model = model
         self.chunks = [model] if isinstance(model, nn.Module) else list(model)
+        #: What a rerun puts back besides generators: buffers, FP8 metas, ``restorables`` and
+        #: the model's own Restorable modules (te_paged/runtime/step_state.py).
+        self.module_state = ModuleState(self.chunks, restorables)
         found = find_participants(self.chunks)
         extra = [] if manager is None else [manager]
         self.participants = Participants(
@@ -212,6 +225,7 @@ class PagedStashRunner:
         self.grow_pool = grow_pool
         self.measure_fallback_memory = measure_fallback_memory
         self.consecutive_fallbacks = 0
+        self._unrestored: list[str] = []  # buffers the last restore could not put back
         self.before_rerun = before_rerun
         self.step_index = 0
         #: This rank's pipeline stage (its index; 0 without pipelining): the records then
@@ -367,14 +381,17 @@ class PagedStashRunner:
         cuda = None
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             cuda = torch.cuda.get_rng_state_all()
-        return StepState(torch.get_rng_state(), cuda)
+        return StepState(torch.get_rng_state(), cuda, self.module_state.snapshot())
 
     def restore_state(self, state: StepState) -> None:
         """Put back what :meth:`snapshot_state` took, so the rerun draws the same numbers
-        (dropout masks, any sampling) as the first attempt did."""
+        (dropout masks, any sampling) as the first attempt did and starts from the same
+        buffers and FP8 scaling state."""
         torch.set_rng_state(state.cpu_rng)
         if state.cuda_rng is not None:
             torch.cuda.set_rng_state_all(state.cuda_rng)
+        if state.modules is not None:
+            self._unrestored = self.module_state.restore(state.modules)
 
     def clear_gradients(self) -> None:
         """Zero what the failed attempt accumulated: ``param.grad``, in place (the rerun then
@@ -426,6 +443,8 @@ class PagedStashRunner:
                 for manager in self.managers:
                     no_stash.enter_context(manager.disabled())
             result = step_fn()
+        if state.modules is not None:
+            self.module_state.learn(state.modules)
         with nvtx_range("te_paged.reduce"):
             flag_ranks, per_rank = self._reduce()
         overflow, overbudget, spill = (len(ranks) for ranks in flag_ranks)
@@ -571,7 +590,18 @@ class PagedStashRunner:
             return self._rerun(step_fn, state, record)
 
     def _rerun(self, step_fn: Callable[[], Any], state: StepState, record: StepRecord) -> Any:
+        self._unrestored = []
         self.restore_state(state)
+        record.unrestored_state = list(self._unrestored)
+        if record.unrestored_state:
+            logger.warning(  # this rank's own buffers: every rank says its own
+                "PagedStashRunner: step %d reruns from buffers its failed attempt changed for "
+                "the first time (%s): they were not copied before the step, so the rerun is not "
+                "exactly the step that never overflowed; they are copied before every step "
+                "from now on",
+                record.step,
+                ", ".join(record.unrestored_state),
+            )
         self.clear_gradients()
         for manager in self.managers:
             manager.release()  # the pool and the dropless rerun never coexist

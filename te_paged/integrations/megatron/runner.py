@@ -23,9 +23,10 @@ index] per step, dropless rerun without stashing, runaway guard), for Megatron i
   CPU and CUDA generators and the states of Megatron's ``get_cuda_rng_tracker()`` (dropout in
   tensor- and expert-parallel regions) — so a rerun with dropout draws the same masks;
 * restores what the failed attempt changed outside the gradients: Megatron's MoE aux-loss /
-  load-balancing tracker (``get_moe_layer_wise_logging_tracker``), and the routers'
-  ``expert_bias`` and ``local_tokens_per_expert`` (aux-loss-free balancing updates them in
-  ``finalize_model_grads``, at the end of the failed attempt);
+  load-balancing tracker (``get_moe_layer_wise_logging_tracker``), and, as every runner does,
+  the model's buffers (the routers' ``expert_bias`` and ``local_tokens_per_expert``, which
+  aux-loss-free balancing updates in ``finalize_model_grads`` at the end of the failed
+  attempt), Transformer Engine's ``fp8_meta`` scaling state and any ``Restorable``;
 * zeroes what the failed attempt accumulated: ``param.grad``, each DDP chunk's grad buffers
   (``zero_grad_buffer()``: ``main_grad``) and the optimizer's gradients.
 
@@ -38,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -129,7 +130,8 @@ class MegatronPagedStashRunner(PagedStashRunner):
 
     ``MegatronPagedStashRunner(model, optimizer=None, config=None, *, forward_backward_func=None,
     max_consecutive_fallbacks=3, grow_pool=False, measure_fallback_memory=False,
-    before_rerun=None, keep_records=1000, on_record=None, timeout=None)``: ``model`` is the list
+    before_rerun=None, keep_records=1000, on_record=None, timeout=None, restorables=())``:
+    ``model`` is the list
     of model chunks (Megatron DDP wrappers, or bare modules) or one chunk; ``optimizer``
     Megatron's optimizer (its gradients are zeroed before a rerun); ``config`` the model's
     ``TransformerConfig`` (default: the first chunk's). ``before_rerun`` runs after everything
@@ -151,6 +153,7 @@ class MegatronPagedStashRunner(PagedStashRunner):
         keep_records: int = 1000,
         on_record: Callable[[StepRecord], None] | None = None,
         timeout: datetime.timedelta | None = None,
+        restorables: Iterable[object] = (),
     ) -> None:
         _refuse_megatron_stash(model)
         super().__init__(
@@ -163,6 +166,7 @@ class MegatronPagedStashRunner(PagedStashRunner):
             keep_records=keep_records,
             on_record=on_record,
             timeout=timeout,
+            restorables=restorables,
         )
         from megatron.core.utils import get_model_config
 
@@ -177,9 +181,6 @@ class MegatronPagedStashRunner(PagedStashRunner):
 
         if parallel_state.model_parallel_is_initialized():
             self.stage = parallel_state.get_pipeline_model_parallel_rank()
-        from megatron.core.transformer.moe.router import TopKRouter
-
-        self._routers = [m for c in self.chunks for m in c.modules() if isinstance(m, TopKRouter)]
 
     def __call__(self, *, iteration: int | None = None, **kwargs: Any) -> tuple[Any, StepRecord]:
         """One step: ``forward_backward_func(**kwargs)``, rerun if a budget overflowed.
@@ -242,9 +243,6 @@ class MegatronPagedStashRunner(PagedStashRunner):
             name: entry["values"].clone()
             for name, entry in get_moe_layer_wise_logging_tracker().items()
         }
-        state.extra["routers"] = [
-            {n: b.clone() for n, b in r.named_buffers(recurse=False)} for r in self._routers
-        ]
         return state
 
     def restore_state(self, state: StepState) -> None:
@@ -260,10 +258,6 @@ class MegatronPagedStashRunner(PagedStashRunner):
                 entry["values"].copy_(losses[name])
             else:  # created by the failed attempt
                 entry["values"].zero_()
-        with torch.no_grad():
-            for router, buffers in zip(self._routers, state.extra["routers"]):
-                for name, buf in router.named_buffers(recurse=False):
-                    buf.copy_(buffers[name])
 
     def clear_gradients(self) -> None:
         if self._forward_only:
