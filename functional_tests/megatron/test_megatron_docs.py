@@ -27,7 +27,8 @@ def test_megatron_docs_example_runs_as_written(tmp_path, release: str) -> None:
     script.write_text(
         extract_example()
         + "from megatron.core.package_info import VERSION\n"
-        + "print('megatron-core', '.'.join(map(str, VERSION[:3])), flush=True)\n"
+        # One string, one write: the four ranks share the launcher's output.
+        + "print(f\"megatron-core {'.'.join(map(str, VERSION[:3]))}\", flush=True)\n"
     )
     env = {"PYTHONWARNINGS": "ignore", **release_env(release)}
     output = torchrun([str(script)], nproc=4, timeout_s=180, env=env)

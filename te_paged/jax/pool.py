@@ -6,10 +6,14 @@ Shape suffixes: ``R`` rows of the static buffer (``max_rows``), ``H`` hidden (el
 
 The semantics are those of the torch reference (:mod:`te_paged.kernels.reference`) and its
 layout (:mod:`te_paged.kernels.layout`, whose ``State``/``Flag``/``Meta``/``Tier`` indices
-this module uses as they are): a tensor is stashed whole or not at all; not enough free pages,
-or more tokens than the static buffer holds, adds one to ``flags[OVERFLOW]`` and from then on
-every stash and pop is a no-op (never a truncation); pages are reached through the record, so
-pops may come in any order; a pop zeroes the rows past the stored ones. Where JAX differs:
+this module uses as they are): a tensor is stashed whole or not at all; not enough free pages
+adds one to ``flags[OVERFLOW]`` and from then on every stash and pop is a no-op (never a
+truncation); pages are reached through the record, so pops may come in any order; a pop zeroes
+the rows past the stored ones. Where JAX differs:
+
+* **Counts the buffer cannot hold** (negative, or more tokens than ``src_RH``'s rows) count
+  ``OVERFLOW`` here, as the torch kernels did before they were told apart as ``INVALID``
+  (invalid input, which a rerun would repeat); the JAX runner still reruns such a step.
 
 * **Functional.** :class:`PagedPool` is a pytree of arrays; :func:`stash` and :func:`pop` return
   a new pool instead of writing in place (under ``jit`` with the pool donated, or as a

@@ -10,10 +10,12 @@ update it without a host round trip:
     totals for statistics.
 
 ``flags`` (int64, one per manager, shared by all its pools)
-    ``OVERFLOW`` counts stashes that found no room (or more tokens than the static budget) —
-    once non-zero, every copy and pop is a no-op; ``HOST_SPILL`` counts tensors that went to the
-    host tier; ``INVALID`` counts misuse the kernels refuse on the device: a record popped a
-    second time (and, from the layers, token counts that cannot be right).
+    ``OVERFLOW`` counts stashes that found no room — once non-zero, every copy and pop is a
+    no-op; ``HOST_SPILL`` counts tensors that went to the host tier; ``INVALID`` counts misuse
+    the kernels refuse on the device: a token count the static buffer cannot hold (negative, or
+    more tokens than its rows: nothing is stored, the step's result is wrong and a rerun would
+    see the same count), a record popped a second time (and, from the layers, expert ids or
+    token counts that cannot be right).
 
 ``record`` (per stashed tensor) — ``pages`` (int32, ``ceil(max_rows / page_size)`` slots) and
     ``meta`` (int64): ``ROWS`` stored, the ``TIER`` they went to, and ``POPPED`` (0, then 1 once

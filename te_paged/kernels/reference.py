@@ -345,8 +345,8 @@ def torch_stash_copy(
     need = -(-rows // page_size)
     st = _ints(state)
     tier = _NONE
-    if n < 0 or n > max_rows * tokens_per_row:  # more tokens than the static budget
-        fl[_OVERFLOW] += 1
+    if n < 0 or n > max_rows * tokens_per_row:  # invalid input, not a full pool
+        fl[_INVALID] += 1
     elif need <= st[_DEVICE_QUEUE[1]] - st[_DEVICE_QUEUE[0]]:
         tier, free, pool, (head_i, tail_i, hwm_i) = _DEVICE, dev_free_P, dev_pool_NH, _DEVICE_QUEUE
     elif need <= st[_HOST_QUEUE[1]] - st[_HOST_QUEUE[0]]:

@@ -73,7 +73,8 @@ def _alloc_kernel(
     n = tl.load(num_tokens_ptr).to(tl.int64)
     # Divide non-negative values only: C and Python round a negative `//` differently.
     rows = (tl.maximum(n, 0) + tokens_per_row - 1) // tokens_per_row
-    bad = (n < 0) | (n > max_rows * tokens_per_row)  # more tokens than the static budget
+    # A count the static buffer cannot hold, or negative: invalid input, not a full pool.
+    bad = (n < 0) | (n > max_rows * tokens_per_row)
     need = (rows + page_size - 1) // page_size
     head = tl.load(state_ptr + _HEAD)
     tail = tl.load(state_ptr + _TAIL)
@@ -84,7 +85,8 @@ def _alloc_kernel(
     to_dev = active & ~bad & fits_dev
     to_host = active & ~bad & ~fits_dev & fits_host
     stored = to_dev | to_host
-    overflow = active & ~stored
+    overflow = active & ~bad & ~stored
+    invalid = active & bad
 
     stored_rows = tl.where(stored, rows, 0)
     tier = to_dev.to(tl.int64) * _DEVICE + to_host.to(tl.int64) * _HOST  # Tier.NONE is 0
@@ -94,6 +96,7 @@ def _alloc_kernel(
     # Stored only when counted: with stream overlap this runs on the pack stream, and the flags
     # are one tensor that other streams update too.
     tl.store(flags_ptr + _OVERFLOW, tl.load(flags_ptr + _OVERFLOW) + 1, mask=overflow)
+    tl.store(flags_ptr + _INVALID, tl.load(flags_ptr + _INVALID) + 1, mask=invalid)
     tl.store(flags_ptr + _HOST_SPILL, tl.load(flags_ptr + _HOST_SPILL) + 1, mask=to_host)
     tl.store(state_ptr + _ROWS_STASHED, tl.load(state_ptr + _ROWS_STASHED) + stored_rows)
 

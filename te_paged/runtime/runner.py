@@ -343,11 +343,12 @@ class PagedStashRunner:
         self._check_step_indices([r[0] for r in per_rank], rank)
         invalid = [r for r, row in enumerate(per_rank) if row[2]]
         if invalid:
+            here = self._invalid_here() if rank in invalid else ""
             raise InvalidCountsError(
                 f"rank {rank}: rank(s) {invalid} saw token counts that cannot be right "
                 "(tokens_per_expert negative or summing past the expert buffer, an expert id "
                 "out of range, or a stash record popped twice): the step's result is wrong and "
-                "a rerun would repeat it. Check what the dispatcher hands the experts"
+                f"a rerun would repeat it{here}. Check what the dispatcher hands the experts"
             )
         flag_ranks = [[r for r, row in enumerate(per_rank) if row[3 + f]] for f in range(_FLAGS)]
         stats = []
@@ -360,6 +361,23 @@ class PagedStashRunner:
             }
             stats.append((row[1], row[3 + _FLAGS], row[4 + _FLAGS], hwm))
         return flag_ranks, stats
+
+    def _invalid_here(self) -> str:
+        """What this rank saw, for the error (host reads: the error path only)."""
+        seen = []
+        for manager in self.managers:
+            for layer, n, max_tokens in manager.invalid_counts():
+                where = "a layer" if layer is None else f"layer {layer}"
+                seen.append(f"{where}: num_tokens {n} for a buffer of {max_tokens} tokens")
+        for d in self.dispatchers:
+            if int(d.invalid_indices) > 0:
+                seen.append(f"{int(d.invalid_indices)} expert id(s) out of range")
+        reported = sum(int(flag) for flag in self.participants.invalid_flags)
+        if reported:
+            seen.append(f"{reported} invalid count(s) reported by the layers' grouped GEMMs")
+        if any(int(m.flags[Flag.INVALID]) > 0 for m in self.managers) and not seen:
+            seen.append("a stash record popped twice")
+        return f"; on this rank: {'; '.join(seen)}" if seen else ""
 
     def _check_step_indices(self, steps: list[int], rank: int) -> None:
         if len(set(steps)) <= 1:

@@ -249,6 +249,9 @@ class PagedStashManager:
         #: Each event reads the pool state on the host: telemetry for small runs, not for speed.
         self.timeline: list[TimelineEvent] | None = [] if record_timeline else None
         self._live_rows: dict[StashKey, int] = {}
+        # Every scope's (layer, num_tokens, max_num_tokens) of the current step (see
+        # invalid_counts); reset() clears it, so it holds one step's small count tensors.
+        self._step_counts: list[tuple[int | None, torch.Tensor, int]] = []
         # Bumped by reset()/release(), which hand every page out again: a handle stashed
         # before refuses to unpack (its rows may be another tensor's by now).
         self._generation = 0
@@ -326,11 +329,25 @@ class PagedStashManager:
         self._stashes = self._pops = self._capture_bytes = 0
         self._stepped_since_reset = False
         self._live_rows.clear()
+        self._step_counts.clear()
         if self.timeline is not None:
             self.timeline.clear()
         for peak in self._peaks.values():
             peak.live_rows = peak.live_pages = 0
             peak.live_balanced = peak.live_balanced_pages = 0
+
+    def invalid_counts(self) -> list[tuple[int | None, int, int]]:
+        """``(layer, num_tokens, max_num_tokens)`` of each scope of this step whose token count
+        its static buffer cannot hold (negative, or more than ``max_num_tokens``): where an
+        ``INVALID`` flag of the kernels came from. Reads every count on the host: for the error
+        path after a step (the runners call it before raising ``InvalidCountsError``)."""
+        self.join_side_streams()
+        bad = []
+        for layer, num_tokens, max_tokens in self._step_counts:
+            n = int(num_tokens.item())
+            if n < 0 or n > max_tokens:
+                bad.append((layer, n, max_tokens))
+        return bad
 
     def release(self) -> None:
         """Free every pool (e.g. before a dropless rerun); the next ``reset()`` reallocates them
@@ -463,6 +480,8 @@ class PagedStashManager:
             )  # layer numbers rise through a forward pass; a fall starts a new one
             group = self._last_group = _Group(layer, last if same_pass else None)
         self._scope = _Scope(max_num_tokens, num_tokens.reshape(1), avg_num_tokens, layer, group)
+        # Kept (a reference, no copy) for invalid_counts(): which layer an INVALID flag came from.
+        self._step_counts.append((layer, self._scope.num_tokens, max_num_tokens))
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
@@ -620,9 +639,9 @@ class PagedStashManager:
     ) -> object:
         n = int(scope.num_tokens.item())  # the capture step may read counts on the host
         rows = -(-n // kind.tokens_per_row)
-        if n < 0 or rows > max_rows:
-            self.flags[Flag.OVERFLOW] += 1
-            rows = max_rows
+        if n < 0 or rows > max_rows:  # invalid input (the kernels flag it the same way)
+            self.flags[Flag.INVALID] += 1
+            rows = min(max(rows, 0), max_rows)
         self._capture_bytes += rows * key.hidden * rows_RH.element_size()
         balanced = min(max_rows, -(-scope.avg_num_tokens // kind.tokens_per_row))
         peak = self._peaks.setdefault(key, _Peak())

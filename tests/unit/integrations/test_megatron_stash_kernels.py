@@ -441,13 +441,14 @@ def test_pop_rereads_num_tokens() -> None:
 
 @pytest.mark.parametrize("num_tokens", [R + 1, -1])
 def test_counts_the_buffer_cannot_hold(num_tokens: int) -> None:
-    """te_paged flags a count above the static buffer (or negative) as an overflow. Megatron's
+    """te_paged flags a count above the static buffer (or negative) as invalid. Megatron's
     copy does not check it (ops/paged_stash.py:55-56, :111): above the buffer it copies the rows
     past the end of the source, here from the rest of its storage; -1 stashes nothing."""
     pair = Pair(torch.bfloat16, pages=4)
     storage = _random(torch.bfloat16, (R + S, H), 99, pair.device)
     a = pair.stash(num_tokens, src_RH=storage[:R], compare=False)
-    assert int(pair.flags[Flag.OVERFLOW]) == 1 and int(a.rec_meta[Meta.TIER]) == Tier.NONE
+    assert int(pair.flags[Flag.INVALID]) == 1 and int(a.rec_meta[Meta.TIER]) == Tier.NONE
+    assert int(pair.flags[Flag.OVERFLOW]) == 0
     assert int(pair.mc.overflow) == 0 and int(a.paged.spilled_to_host) == 0
     rows = max(num_tokens, 0)
     assert pair.mc.free_list_head.tolist() == [-(-rows // S), 0]

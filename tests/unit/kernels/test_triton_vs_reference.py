@@ -358,7 +358,7 @@ def test_host_spill_then_pop_from_host() -> None:
 
 
 @pytest.mark.parametrize(
-    ("tokens_per_row", "max_rows", "num_tokens", "overflow"),
+    ("tokens_per_row", "max_rows", "num_tokens", "invalid"),
     [
         (1, 4, 4, 0),
         (1, 4, 5, 1),
@@ -367,11 +367,15 @@ def test_host_spill_then_pop_from_host() -> None:
         (1, 4, -1, 1),
     ],
 )
-def test_more_tokens_than_rows_overflows(tokens_per_row, max_rows, num_tokens, overflow) -> None:
+def test_counts_the_buffer_cannot_hold_are_invalid(
+    tokens_per_row, max_rows, num_tokens, invalid
+) -> None:
+    # More tokens than the static buffer's rows, or a negative count: invalid input (a rerun
+    # would see it again), not an overflow of the pool. Nothing is stored.
     twin = _single(dev_pages=4)
     rec = twin.copy(_bits(torch.int16, (max_rows, 4), 0, twin.device), num_tokens, tokens_per_row)
-    assert twin.flags[1][Flag.OVERFLOW] == overflow
-    assert rec.meta[Meta.TIER] == (Tier.NONE if overflow else Tier.DEVICE)
+    assert twin.flags[1][Flag.INVALID] == invalid and twin.flags[1][Flag.OVERFLOW] == 0
+    assert rec.meta[Meta.TIER] == (Tier.NONE if invalid else Tier.DEVICE)
 
 
 def test_zero_tokens_is_a_device_record_of_no_rows() -> None:
@@ -478,9 +482,10 @@ def test_wrappers_read_nothing_on_the_host(host_pages) -> None:
                 rec_meta=rec.meta,
                 zero_padding=True,
             )
-    # The kernels did run under the guard: 3 tokens spilled to the host or overflowed, 9 > 4 rows
-    # overflowed (once: after the first overflow nothing counts).
-    assert flags.tolist() == [1, 1 if host_pages else 0, 0]
+    # The kernels did run under the guard. With a host tier: 3 tokens spilled to it, 1 went to
+    # the device, 9 > 4 rows is invalid. Without: 3 tokens overflowed, after which nothing
+    # counts.
+    assert flags.tolist() == ([0, 1, 1] if host_pages else [1, 0, 0])
     assert rec.meta.tolist() == [0, Tier.NONE, 0]
 
 

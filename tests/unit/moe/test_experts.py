@@ -168,7 +168,7 @@ def test_output_bias_is_applied_inside_weighted_by_probs() -> None:
     assert not out[n:].any()
 
 
-def test_over_budget_tokens_set_overflow_and_do_not_crash() -> None:
+def test_counts_past_the_buffer_are_invalid_and_do_not_crash() -> None:
     cfg = config(moe_paged_stash=True)
     manager, layers = build(cfg)
     run_step(manager, layers, cfg, 0)
@@ -177,7 +177,8 @@ def test_over_budget_tokens_set_overflow_and_do_not_crash() -> None:
     probs = torch.rand(ROWS, requires_grad=True)
     out, _ = layers[0](x, torch.tensor([30, 30, 10, 10]), probs)  # 80 > 64 rows
     out.sum().backward()
-    assert manager.stats().overflow
+    stats = manager.stats()
+    assert stats.invalid and not stats.overflow
 
 
 def test_too_small_pool_sets_overflow_and_does_not_crash() -> None:

@@ -7,6 +7,8 @@ a flag; an expert id out of range in the dispatcher was an index error naming no
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -74,3 +76,39 @@ def test_an_expert_id_out_of_range_is_counted_and_dropped_not_an_index_error() -
     y_ref = layer.dispatcher.combine(ref_rows, ref_handle)
     untouched = [i for i in range(8) if i not in (3, 5)]
     assert torch.equal(y[untouched], y_ref[untouched])
+
+
+@pytest.mark.parametrize("counts", [[40, 20, 5, 3], [30, 30, 10, -8]])
+def test_a_stash_count_past_its_buffer_names_the_rank_and_layer_and_never_reruns(counts) -> None:
+    # 68 tokens for a 64-row buffer; a sum of 62 with a negative count (the stash sees 62, the
+    # grouped GEMM the -8): invalid input, which a rerun would see again — not an overflow.
+    cfg = config(moe_paged_stash=True)
+    manager, layers = build(cfg, layers=1)
+    layers[0].set_layer_number(3)
+    runner = PagedStashRunner(nn.ModuleList(layers), manager)
+    calls = []
+
+    def step_fn(c):
+        def fn():
+            calls.append(c)
+            x = torch.randn(ROWS, cfg.hidden_size, requires_grad=True)
+            out, _ = layers[0](x, torch.tensor(c), torch.rand(ROWS))
+            out.sum().backward()
+
+        return fn
+
+    runner.step(step_fn([10, 0, 7, 13]))  # the capture step
+    runner.step(step_fn([1, 20, 5, 3]))  # paged
+    calls.clear()
+    expected = (
+        "on this rank: layer 3: num_tokens 68 for a buffer of 64 tokens"
+        if sum(counts) > ROWS
+        else "on this rank: 2 invalid count(s) reported by the layers' grouped GEMMs"  # FC1, FC2
+    )
+    with pytest.raises(InvalidCountsError, match=r"rank\(s\) \[0\] saw .*" + re.escape(expected)):
+        runner.step(step_fn(counts))
+    assert len(calls) == 1  # no rerun
+    stats = manager.stats()
+    assert stats.invalid  # the experts count a negative split into the manager's flags too
+    if sum(counts) > ROWS:  # nothing was stored for the bad count: not an overflow of the pool
+        assert not stats.overflow

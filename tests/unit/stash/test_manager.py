@@ -277,16 +277,18 @@ def test_host_tier_takes_what_the_device_pool_cannot() -> None:
         assert stats.host_spill and not stats.overflow and stats.tensors_spilled >= 1
 
 
-def test_over_budget_tokens_set_overflow_in_both_modes() -> None:
+@pytest.mark.parametrize("num_tokens", [9, -1])
+def test_counts_the_buffer_cannot_hold_are_invalid_in_both_modes(num_tokens: int) -> None:
     manager = PagedStashManager(page_size=4)
-    for _ in range(2):
+    for _ in range(2):  # the capture step, then the kernels
         manager.reset()
         t = torch.randn(8, 2, requires_grad=True)
         mark_grouped_tensor(t)
-        with manager.scope(8, torch.tensor(9), 4):
+        with manager.scope(8, torch.tensor(num_tokens), 4):
             out = Keep.apply(t)
         out.sum().backward()
-        assert manager.stats().overflow
+        stats = manager.stats()
+        assert stats.invalid and not stats.overflow
 
 
 def test_disabled_manager_installs_no_hooks() -> None:

@@ -107,11 +107,12 @@ def test_after_overflow_copies_and_pops_are_noops(make_harness) -> None:
     assert torch.equal(state, h.buffer.state)  # pages not returned either
 
 
-def test_more_tokens_than_the_static_buffer_is_an_overflow(make_harness) -> None:
+def test_more_tokens_than_the_static_buffer_is_invalid(make_harness) -> None:
     h = make_harness(pages=8, page_size=2)
     x = torch.randn(4, 4)
     rec = h.stash(x, 5)
-    assert h.tier(rec) is Tier.NONE and h.flags[Flag.OVERFLOW] == 1
+    assert h.tier(rec) is Tier.NONE and h.flags[Flag.INVALID] == 1
+    assert h.flags[Flag.OVERFLOW] == 0
     assert int(h.buffer.state[State.HEAD]) == 0
 
 
@@ -184,7 +185,7 @@ def test_scale_rows_budget_is_rows_times_32_tokens(make_harness) -> None:
     rec = h.stash(torch.randn(5, 4), 129, tokens_per_row=32)  # 5 rows x 32 = 160 >= 129: fits
     assert h.tier(rec) is Tier.DEVICE
     rec = h.stash(torch.randn(4, 4), 129, tokens_per_row=32)  # 4 rows x 32 = 128 < 129
-    assert h.tier(rec) is Tier.NONE and h.flags[Flag.OVERFLOW] == 1
+    assert h.tier(rec) is Tier.NONE and h.flags[Flag.INVALID] == 1
 
 
 @settings(max_examples=60, deadline=None)
