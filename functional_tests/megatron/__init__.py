@@ -46,10 +46,11 @@ def run_workers(
     world_size: int,
     timeout_s: int,
     release: str = DEFAULT_RELEASE,
+    env: dict[str, str] | None = None,
 ) -> list[dict]:
     """Launch ``functional_tests.megatron.<worker>`` on ``world_size`` CPU ranks with torchrun
     against megatron-core ``release`` (fails the test when that release is missing or a rank
-    fails); each rank's JSON result."""
+    fails), ``env`` added to the ranks' environment; each rank's JSON result."""
     from functional_tests.launch import torchrun
 
     torchrun(
@@ -58,7 +59,7 @@ def run_workers(
         nproc=world_size,
         timeout_s=timeout_s,
         # Megatron warns at import that TE and Apex are absent.
-        env={"PYTHONWARNINGS": "ignore", **release_env(release)},
+        env={"PYTHONWARNINGS": "ignore", **release_env(release), **(env or {})},
     )  # fmt: skip
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]
     assert all(r["world_size"] == world_size for r in results)

@@ -311,8 +311,9 @@ class PagedStashRunner:
         step = torch.tensor([self.step_index, self.stage], dtype=torch.int64, device=device)
         mine = [step, (invalid > 0).long().reshape(1), *(f.reshape(1) for f in flags)]
         mine += [peak.reshape(1), peak_pair.reshape(1)]
-        for key, h in hwm.items():
-            mine += [torch.tensor([key_code(key)], dtype=torch.int64, device=device), h.reshape(1)]
+        if hwm:  # (code, hwm) pairs: one host-to-device copy for all the codes
+            codes = torch.tensor([key_code(k) for k in hwm], dtype=torch.int64, device=device)
+            mine.append(torch.stack([codes, torch.stack(list(hwm.values()))], dim=1).reshape(-1))
         out = torch.cat(mine)
         return torch.cat([out, out.new_zeros(_SLOT - out.numel())])
 

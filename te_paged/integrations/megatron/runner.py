@@ -131,12 +131,11 @@ class MegatronPagedStashRunner(PagedStashRunner):
     ``MegatronPagedStashRunner(model, optimizer=None, config=None, *, forward_backward_func=None,
     max_consecutive_fallbacks=3, grow_pool=False, measure_fallback_memory=False,
     before_rerun=None, keep_records=1000, on_record=None, timeout=None, restorables=())``:
-    ``model`` is the list
-    of model chunks (Megatron DDP wrappers, or bare modules) or one chunk; ``optimizer``
-    Megatron's optimizer (its gradients are zeroed before a rerun); ``config`` the model's
-    ``TransformerConfig`` (default: the first chunk's). ``before_rerun`` runs after everything
-    above was restored and zeroed; ``records``, ``on_record`` and ``timeout`` as in
-    :class:`PagedStashRunner`.
+    ``model`` is the list of model chunks (Megatron DDP wrappers, or bare modules) or one chunk;
+    ``optimizer`` Megatron's optimizer (its gradients are zeroed before a rerun); ``config`` the
+    model's ``TransformerConfig`` (default: the first chunk's). ``before_rerun`` runs after
+    everything above was restored and zeroed; ``records``, ``on_record``, ``timeout`` and
+    ``restorables`` as in :class:`PagedStashRunner`.
     """
 
     def __init__(
