@@ -46,6 +46,8 @@ def train(
     skew_rank: int | None = None,
     max_fallbacks: int = 3,
     record_routing: bool = False,
+    capture_at_factor: bool = False,
+    **runner_kw: object,
 ) -> dict:
     group = dist.group.WORLD
     rank = dist.get_rank()
@@ -62,6 +64,7 @@ def train(
         group=group,
         max_consecutive_fallbacks=max_fallbacks,
         record_routing=record_routing,
+        **runner_kw,
     )
     out: dict = {"loss": [], "grad_norm": [], "records": [], "grads": [], "stats": []}
     for step in range(cfg.steps):
@@ -73,11 +76,17 @@ def train(
             loss.backward()
             return loss.detach()
 
+        # capture_at_factor: no growth after the capture step, so the pools start at the
+        # factor's size (a tiny one overflows) instead of at the capture step's peak.
+        grow = runner.grow_pool
+        runner.grow_pool = grow and not (capture_at_factor and step == 0)
         try:
             loss, record = runner.step(fn)
         except FallbackLimitError as e:
             out["raised"] = str(e)
             break
+        runner.grow_pool = grow
+        runner.grow_pool = grow
         grads = [p.grad.clone() for p in model.parameters()]
         out["loss"].append(float(loss))
         out["grad_norm"].append(float(torch.stack([g.norm() for g in grads]).norm()))
@@ -130,13 +139,25 @@ def main(argv: list[str] | None = None) -> int:
         }
         # 4. stash overflow: host spill off (rerun), then on (no rerun)
         tiny = dataclasses.replace(BASE, buffer_factor_cuda=0.2)
-        spill_off = train(tiny, paged=True)
-        spill_on = train(dataclasses.replace(tiny, buffer_factor_cpu=2.0), paged=True)
+        spill_off = train(tiny, paged=True, capture_at_factor=True)
+        host_tier = dataclasses.replace(tiny, buffer_factor_cpu=2.0)
+        spill_on = train(host_tier, paged=True, grow_pool=False)  # kept small: it spills
         res["overflow"] = {
             "off_equals_reference": same(spill_off, ref),
             "on_equals_reference": same(spill_on, ref),
             "spill_off": summary(spill_off),
             "spill_on": summary(spill_on),
+        }
+        # 4b. the same overflow with the pools kept at their size: every step reruns
+        kept = train(tiny, paged=True, grow_pool=False)
+        res["overflow"]["kept"] = summary(kept)
+        res["overflow"]["kept_equals_reference"] = same(kept, ref)
+        # 4c. pool sizes: from the observed peak (factor -1), which differs by rank; agreed
+        #     across the expert-parallel group (the default) or each rank's own
+        observed = dataclasses.replace(BASE, buffer_factor_cuda=-1.0)
+        res["pool_sizes"] = {
+            "agreed": summary(train(observed, paged=True)),
+            "per_rank": summary(train(observed, paged=True, per_rank_pools=True)),
         }
         # 5. MXFP8 and moe_act recompute: ON vs OFF
         mx = dataclasses.replace(BASE, fp8="mxfp8", recompute=True)
@@ -147,7 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         #     reduction layout on every rank, each key's high-water mark from the ranks with it
         mixed = dataclasses.replace(BASE, fp8="mxfp8") if rank >= 2 else BASE
         mixed_ref = train(mixed, paged=False, dropless=True)
-        mixed_overflow = train(dataclasses.replace(mixed, buffer_factor_cuda=0.2), paged=True)
+        mixed_overflow = train(
+            dataclasses.replace(mixed, buffer_factor_cuda=0.2), paged=True, capture_at_factor=True
+        )
         mixed_skewed_ref = train(mixed, paged=False, dropless=True, skew_rank=0)
         mixed_over = train(mixed, paged=True, skew_rank=0)
         mixed_on = train(dataclasses.replace(mixed, buffer_factor_cuda=3.0), paged=True)

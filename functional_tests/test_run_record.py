@@ -73,12 +73,12 @@ def _attempts(record: dict) -> list[int]:
 
 
 def test_default_engine_record_with_a_last_step_that_fell_back(tmp_path) -> None:
-    # A pool factor of 1.06 fits steps 1 and 2 of this seed, not step 3: the record and the
+    # A pool kept at factor 1.06 fits steps 1 and 2 of this seed, not step 3: the record and the
     # table must measure the saving on step 2 (before: on step 3, with "pool 0.00 MiB", S 0,
     # "nan %" and NaN in the JSON).
     js, profile = tmp_path / "ab.json", tmp_path / "routing.json"
     args = [*SMALL, "--steps", "4", "--buffer-factor-cuda", "1.06", "--seed", "0",
-            "--json", str(js), "--record-profile", str(profile)]  # fmt: skip
+            "--no-grow-pool", "--json", str(js), "--record-profile", str(profile)]  # fmt: skip
     proc = ab(*args)
     assert proc.returncode == 0, proc.stderr[-4000:]
     record = check_record(js)
@@ -110,7 +110,8 @@ def test_default_engine_record_with_a_last_step_that_fell_back(tmp_path) -> None
 
 def test_default_engine_record_when_every_step_fell_back_has_null_memory(tmp_path) -> None:
     js = tmp_path / "ab.json"
-    proc = ab(*SMALL, "--steps", "3", "--buffer-factor-cuda", "1.0", "--json", str(js))
+    proc = ab(*SMALL, "--steps", "3", "--buffer-factor-cuda", "1.0", "--no-grow-pool",
+              "--json", str(js))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     record = check_record(js)
     assert _attempts(record) == [1, 2, 2], _attempts(record)
@@ -170,28 +171,34 @@ def test_the_table_labels_steps_and_measures_the_last_step_with_the_stash() -> N
     table = format_table(_result(["capture", "paged", "fallback"]))
     assert "| 0 (capture) |" in table and "| 1 (paged) |" in table
     assert "| 2 (fallback) |" in table
-    # Step 1: ON 1000 + pool 100 against OFF 1500; predicted (2.0 − 1.1) × 200 = 180.
+    # Step 1: ON 1000 + pool 100 against OFF 1500. The model's bf is the pool the step held
+    # over S (100 / 200 = 0.5, not the configured 1.1: a grown pool counts as it is), so
+    # predicted (2.0 − 0.5) × 200 = 300.
     assert "Memory of step 1 (the last that ran with the stash)" in table
+    assert "(cf 2.0, bf 0.50, S " in table
     m = _result(["capture", "paged", "fallback"]).memory()
     assert (m["step"], m["pool_bytes"], m["S_bytes"], m["saving_bytes"]) == (1, 100, 200, 400)
-    assert m["measured_over_predicted"] == pytest.approx(400 / 180)
+    assert m["buffer_factor"] == 0.5
+    assert m["measured_over_predicted"] == pytest.approx(400 / 300)
     last = _result(["capture", "paged", "paged"]).memory()
     assert last["step"] == 2
     assert _result(["capture", "fallback", "fallback"]).memory() is None
 
 
 def test_stream_overlap_reloads_count_in_the_reload_adjusted_model() -> None:
-    # With look-ahead 1 two layers of reloads are live at the peak: (2.0 − 1.1 − 2·2.0/8) × 200.
+    # With look-ahead 1 two layers of reloads are live at the peak: (2.0 − 0.5 − 2·2.0/8) × 200
+    # (bf: the pool over S, 100 / 200).
     result = _result(["capture", "paged"])
     assert "(L 8)" in format_table(result)
     result.ranks[0].reload_layers = 2
     m = result.memory()
-    assert m["reload_adjusted_saving_bytes"] == pytest.approx((2.0 - 1.1 - 2 * 2.0 / 8) * 200)
+    assert m["reload_adjusted_saving_bytes"] == pytest.approx((2.0 - 0.5 - 2 * 2.0 / 8) * 200)
     assert "(L 8, R 2)" in format_table(result)
 
 
 def test_a_built_record_validates_and_undefined_values_are_null() -> None:
-    result = _result(["capture", "paged"], layers=2)  # reload-adjusted model < 0
+    result = _result(["capture", "paged"], layers=2)  # reload-adjusted model < 0:
+    result.ranks[0].pool_bytes = 220  # bf 220 / 200 = 1.1, (2.0 − 1.1 − 2.0/2) × S < 0
     result.ranks[0].on[0] = dataclasses.replace(result.ranks[0].on[0], loss=math.nan)
     record = build_record(result, "default", ["te-paged", "ab", "--layers", "2"])
     assert schema_errors(record) == []

@@ -6,8 +6,11 @@
    order in both, so the arithmetic is the same);
 3. rank 0 forced over budget: every rank reruns (attempt 2), the result equals the dropless
    reference, the record counts 1 rank and suggests a capacity factor that then fits;
-4. stash overflow with host spill off: rerun, equal; with host spill on: no rerun,
-   ``host_spill_ranks > 0``, equal;
+4. stash overflow with host spill off: rerun, equal, and the pools grow to what the step
+   needed, so the next step fits (kept at their size with ``grow_pool=False``: every step
+   reruns); with host spill on: no rerun, ``host_spill_ranks > 0``, equal. Pools sized from
+   each rank's observed peak are agreed across the expert-parallel group (every rank the
+   group's largest), or each rank's own with ``per_rank_pools``;
 5. MXFP8 with ``moe_act`` recompute: ON vs OFF bitwise equal; ranks that hold different pool
    keys (MXFP8 on two ranks only) through forced stash overflows and an over-budget rerun: one
    reduction layout everywhere, every result equal to the dropless reference;
@@ -72,10 +75,28 @@ def test_stash_overflow_with_and_without_host_spill(ranks) -> None:
         case = res["overflow"]
         assert case["off_equals_reference"] and case["on_equals_reference"]
         off, on = case["spill_off"]["records"], case["spill_on"]["records"]
-        assert attempts(case["spill_off"])[1:] == [2, 2]  # after the capture step
-        assert all(r["stash_overflow_ranks"] > 0 for r in off[1:])
+        assert attempts(case["spill_off"]) == [1, 2, 1]  # the pools grew after step 1
+        assert off[1]["stash_overflow_ranks"] == 4 and off[2]["stash_overflow_ranks"] == 0
+        # Each rank grew to its own need x headroom; every rank then holds the group's largest.
+        growths = [r["overflow"]["spill_off"]["records"][1]["pool_growth"] for r in ranks]
+        largest = {k: max(g[k]["to"] for g in growths) for k in growths[0]}
+        assert largest and off[2]["pool_pages"] == largest
+        assert case["kept_equals_reference"]
+        assert attempts(case["kept"]) == [1, 2, 2]  # grow_pool=False: the same pool again
         assert attempts(case["spill_on"]) == [1, 1, 1]
         assert all(r["host_spill_ranks"] > 0 and r["stash_overflow_ranks"] == 0 for r in on[1:])
+
+
+def test_pool_sizes_are_agreed_across_the_expert_parallel_group(ranks) -> None:
+    def pages(case: str) -> list[dict[str, int]]:
+        return [r["pool_sizes"][case]["records"][1]["pool_pages"] for r in ranks]
+
+    own, agreed = pages("per_rank"), pages("agreed")
+    assert len({json.dumps(p, sort_keys=True) for p in own}) > 1  # the observed peaks differ
+    largest = {k: max(p[k] for p in own) for k in own[0]}
+    assert all(p == largest for p in agreed)
+    for r in ranks:
+        assert attempts(r["pool_sizes"]["agreed"]) == [1, 1, 1]
 
 
 def test_mxfp8_with_recompute_on_equals_off(ranks) -> None:
@@ -119,8 +140,14 @@ def test_ranks_with_different_pool_keys_reduce_one_layout_and_rerun_bitwise(rank
         assert case["over_budget_equals_reference"], (rank, case["over_budget"])
         assert case["on_equals_reference"], (rank, case["on"])
         overflow = case["overflow"]["records"]
-        assert [r["attempt"] for r in overflow[1:]] == [2] * (len(overflow) - 1), overflow
-        assert all(r["stash_overflow_ranks"] == 4 for r in overflow[1:]), overflow
+        assert [r["attempt"] for r in overflow] == [1, 2, 1], overflow  # then grown
+        assert overflow[1]["stash_overflow_ranks"] == 4, overflow
+        # The growth agreed each key across ranks holding different keys: the MXFP8 pools
+        # on ranks 2 and 3 only, the float32 ones everywhere.
+        mine = overflow[2]["pool_pages"]
+        for other in ranks:
+            theirs = other["mixed_keys"]["overflow"]["records"][2]["pool_pages"]
+            assert all(theirs[k] == v for k, v in mine.items() if k in theirs), (mine, theirs)
         assert all(r["attempt"] == 2 for r in case["over_budget"]["records"])
         on = case["on"]["records"]
         assert all(r["attempt"] == 1 for r in on), on

@@ -7,7 +7,7 @@ is attached to the ``te_paged`` logger, deliberately not even a ``NullHandler``:
 configured, Python's last-resort handler then prints WARNING and above (a runner's fallback) on
 stderr and nothing below it, whereas a ``NullHandler`` would silence the warnings as well.
 ``logging.basicConfig(level=logging.INFO)`` (or a level on the ``te_paged`` logger) shows the
-INFO events too: pool sizing, host spills, ``grow_pool``.
+INFO events too: pool sizing, host spills, pool growth (``grow_pool``).
 """
 
 from te_paged._version import __version__ as __version__  # re-exported: the one source

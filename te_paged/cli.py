@@ -79,6 +79,8 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
         def dflt(name: str) -> str:
             a, b = getattr(d, name), getattr(m, name)
             text = f"{a}" if a == b else f"{a}; megatron engine {b}"
+            if name == "layers":  # see ab_command.model_config
+                text += " per pipeline stage"
             if name in jax_flags and getattr(j, name) != a:
                 text += f"; jax engine {getattr(j, name)}"
             return text
@@ -170,6 +172,14 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
         help="logit added to expert 0 on rank 0 (the megatron engine: to its routing bias; "
         "jax: to its router logit, expert 0 being local), "
         f"to force over-budget reruns ({d.skew:g}: none)",
+    )
+    g.add_argument(
+        "--grow-pool",
+        action=argparse.BooleanOptionalAction,
+        help="the runner's grow_pool: pools keep the largest need seen x 1.10, grown after the "
+        "capture step, an overflow, or a step that left less headroom (default: on); "
+        "--no-grow-pool keeps the pools as the buffer factors size them (not with the jax "
+        "engine, whose pool is sized once)",
     )
     e = p.add_argument_group(
         "engine (--engine megatron: a Megatron-core GPTModel; --engine jax: te_paged.jax)"

@@ -231,9 +231,9 @@ def fallback_memory_case(ep: int, rank: int) -> dict:
     from te_paged.integrations.megatron import MegatronPagedStashRunner
     from te_paged.tools.megatron_ab import _build, microbatch
 
-    cfg = config(steps=1, buffer_factor_cuda=0.3)  # every step after the capture overflows
+    cfg = config(steps=1, buffer_factor_cuda=0.3)  # kept small: every step after capture overflows
     ddp, optimizer, _ = _build(cfg, True, ep, torch.device("cpu"), rank)
-    runner = MegatronPagedStashRunner(ddp, optimizer, measure_fallback_memory=True)
+    runner = MegatronPagedStashRunner(ddp, optimizer, grow_pool=False, measure_fallback_memory=True)
 
     def forward_step(data_iterator, model):  # calls the DDP wrapper, as users' steps do
         tokens = next(data_iterator)

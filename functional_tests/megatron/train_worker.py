@@ -149,7 +149,7 @@ def run_cases(rank: int, world: int) -> dict:
         results["over_budget"] = summary(run, skewed_reference)
         reference = train(config(buffer_factor_cuda=8.0), True, ep, cpu, rank)
         results["reference"] = summary(reference)
-        overflow = train(config(buffer_factor_cuda=0.3), True, ep, cpu, rank)
+        overflow = train(config(buffer_factor_cuda=0.3, grow_pool=False), True, ep, cpu, rank)
         results["overflow"] = summary(overflow, reference)
         if not every:
             return results
@@ -158,6 +158,8 @@ def run_cases(rank: int, world: int) -> dict:
                 run = train(scenario, True, ep, cpu, rank)
             results[f"mutation_{kind}"] = summary(run, skewed_reference)
         spill = {"buffer_factor_cuda": 0.3, "buffer_factor_cpu": 8.0} if rank == 0 else {}
+        # Rank 0's pool kept small and its own (not the group's largest), so it spills.
+        spill.update(grow_pool=False, per_rank_pools=True)
         run = train(config(**{"buffer_factor_cuda": 8.0, **spill}), True, ep, cpu, rank)
         results["spill"] = summary(run, reference)
 

@@ -225,8 +225,13 @@ def stash(
     st = st.at[State.HWM].max(p - (tail - new_head))
     st = st.at[State.ROWS_STASHED].add(jnp.where(ok, rows, 0))
     st = st.at[STAMP].add(1)
+    # What the step asks of the pool, stored or not (the torch kernels' DEMANDED/DEMAND_HWM).
+    asked = jnp.where(in_budget, need, 0)
+    st = st.at[State.DEMANDED].add(asked)
+    st = st.at[State.DEMAND_HWM].max(st[State.DEMANDED] - st[State.RETURNED])
     fl = fl.at[Flag.OVERFLOW].add((~was_over & ~ok).astype(jnp.int32))
     meta = jnp.zeros((META_LEN,), jnp.int32)
+    meta = meta.at[Meta.NEED].set(asked)
     meta = meta.at[Meta.ROWS].set(jnp.where(ok, rows, 0))
     meta = meta.at[Meta.TIER].set(jnp.where(ok, int(Tier.DEVICE), int(Tier.NONE)))
     new = PagedPool(pool_NH, pool.free_P, owner, st.astype(book), fl.astype(book))
@@ -273,5 +278,9 @@ def pop(pool: PagedPool, record: StashRecord, rows: int) -> tuple[PagedPool, jax
     )
     owner_P = pool.owner_P.at[jnp.where(back_M, page_M, p)].set(-1, mode="drop")
     st = st.at[State.TAIL].add(jnp.where(ok, need, 0))
+    # The demand comes back, stored or not; a stored record whose pages it no longer owns (a
+    # second pop) gives back nothing. (A record is immutable here, so a second pop of one that
+    # was never stored returns its demand again: the figure only over-states the peak then.)
+    st = st.at[State.RETURNED].add(jnp.where(~stored | owned, record.meta[Meta.NEED], 0))
     fl = fl.at[Flag.INVALID].add((stored & ~owned).astype(jnp.int32))
     return PagedPool(pool.pool_NH, free, owner_P, st.astype(book), fl.astype(book)), dst_RH

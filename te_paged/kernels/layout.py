@@ -7,7 +7,13 @@ update it without a host round trip:
     ``HEAD``/``TAIL`` and ``HOST_HEAD``/``HOST_TAIL`` are monotone counters of the circular free
     lists (free pages = tail − head; slot ``i`` of the queue is ``free[i % num_pages]``);
     ``HWM``/``HOST_HWM`` the most pages ever in use; ``ROWS_STASHED`` and ``SPILLED`` running
-    totals for statistics.
+    totals for statistics. ``DEMANDED``/``RETURNED`` count the pages stashes asked for and pops
+    gave back *whether or not they were stored* (a stash that found no room, or ran after an
+    overflow, still counts what it needed), and ``DEMAND_HWM`` is the most ever outstanding
+    (``DEMANDED − RETURNED``): the pool a step would have needed to hold everything, which is
+    what a runner grows an overflowed pool to. Each counter has one writer (the copy writes
+    ``DEMANDED`` and ``DEMAND_HWM``, the pop ``RETURNED``), so copies and pops on two streams
+    never race on a read-modify-write; a stale ``RETURNED`` only over-states the peak.
 
 ``flags`` (int64, one per manager, shared by all its pools)
     ``OVERFLOW`` counts stashes that found no room — once non-zero, every copy and pop is a
@@ -18,9 +24,10 @@ update it without a host round trip:
     token counts that cannot be right).
 
 ``record`` (per stashed tensor) — ``pages`` (int32, ``ceil(max_rows / page_size)`` slots) and
-    ``meta`` (int64): ``ROWS`` stored, the ``TIER`` they went to, and ``POPPED`` (0, then 1 once
+    ``meta`` (int64): ``ROWS`` stored, the ``TIER`` they went to, ``POPPED`` (0, then 1 once
     a pop returned the pages: a second pop of the record leaves the free list alone, zeroes the
-    destination and counts ``INVALID``).
+    destination and counts ``INVALID``) and ``NEED``, the pages the tensor asked for (0 for an
+    invalid count), which the first pop adds to ``RETURNED`` and clears.
 
 Worked example (4 device pages, page size 2, free list initially ``[0 1 2 3]``, head 0, tail 4):
 stash A (3 rows) takes slots 0–1 → pages ``[0 1]``, head 2; stash B (1 row) takes slot 2 → page
@@ -46,6 +53,9 @@ class State(enum.IntEnum):
     HOST_HWM = 5
     ROWS_STASHED = 6
     SPILLED = 7
+    DEMANDED = 8
+    RETURNED = 9
+    DEMAND_HWM = 10
 
 
 class Flag(enum.IntEnum):
@@ -58,6 +68,7 @@ class Meta(enum.IntEnum):
     ROWS = 0
     TIER = 1
     POPPED = 2
+    NEED = 3
 
 
 class Tier(enum.IntEnum):

@@ -301,6 +301,9 @@ def _put(queue: ctypes.Array | list[int], start: int, values: list[int]) -> None
 # made dozens (at 2k tokens the bookkeeping, not the rows, is what the reference spends on top
 # of a plain copy).
 _ROWS, _TIER, _POPPED = Meta.ROWS.value, Meta.TIER.value, Meta.POPPED.value
+_NEED = Meta.NEED.value
+_DEMANDED, _RETURNED = State.DEMANDED.value, State.RETURNED.value
+_DEMAND_HWM = State.DEMAND_HWM.value
 _OVERFLOW, _HOST_SPILL, _INVALID = Flag.OVERFLOW.value, Flag.HOST_SPILL.value, Flag.INVALID.value
 _NONE, _DEVICE, _HOST = Tier.NONE.value, Tier.DEVICE.value, Tier.HOST.value
 # (head, tail, high-water mark) of each tier's free list in ``state``.
@@ -336,16 +339,22 @@ def torch_stash_copy(
             f"{page_size} need {-(-max_rows // page_size)}"
         )
     meta, fl = _ints(rec_meta), _ints(flags)
-    meta[_ROWS], meta[_TIER], meta[_POPPED] = 0, _NONE, 0
+    meta[_ROWS], meta[_TIER], meta[_POPPED], meta[_NEED] = 0, _NONE, 0, 0
+    n = int(num_tokens.item()) if num_tokens.numel() == 1 else int(num_tokens.reshape(-1)[0])
+    rows = -(-max(n, 0) // tokens_per_row)
+    need = -(-rows // page_size)
+    bad = n < 0 or n > max_rows * tokens_per_row
+    st = _ints(state)
+    if not bad:  # what the step asks of the pool, stored or not (even after an overflow)
+        meta[_NEED] = need
+        st[_DEMANDED] += need
+        st[_DEMAND_HWM] = max(st[_DEMAND_HWM], st[_DEMANDED] - st[_RETURNED])
+        _store(state, st)
     if fl[_OVERFLOW] != 0:
         _store(rec_meta, meta)
         return
-    n = int(num_tokens.item()) if num_tokens.numel() == 1 else int(num_tokens.reshape(-1)[0])
-    rows = -(-n // tokens_per_row)
-    need = -(-rows // page_size)
-    st = _ints(state)
     tier = _NONE
-    if n < 0 or n > max_rows * tokens_per_row:  # invalid input, not a full pool
+    if bad:  # invalid input, not a full pool
         fl[_INVALID] += 1
     elif need <= st[_DEVICE_QUEUE[1]] - st[_DEVICE_QUEUE[0]]:
         tier, free, pool, (head_i, tail_i, hwm_i) = _DEVICE, dev_free_P, dev_pool_NH, _DEVICE_QUEUE
@@ -398,6 +407,12 @@ def torch_stash_pop(
         fl[_INVALID] += 1
         _store(flags, fl)
         tier = _NONE
+    elif meta[_NEED]:  # the demand comes back once, stored or not
+        st = _ints(state)
+        st[_RETURNED] += meta[_NEED]
+        meta[_NEED] = 0
+        _store(state, st)
+        _store(rec_meta, meta)
     if fl[_OVERFLOW] != 0 or tier == _NONE:
         rows = 0
     if rows > dst_RH.shape[0]:

@@ -12,11 +12,13 @@ kernel (grid)             reads                               writes
 ========================  ==================================  =====================================
 ``_alloc_kernel`` (1,)    num_tokens, flags, state,           rec_meta, rec_pages_M, state (HEAD,
                           dev/host free lists                 HWM, ROWS_STASHED, SPILLED, host
-                                                              counters), flags
+                                                              counters, DEMANDED, DEMAND_HWM),
+                                                              flags
 ``_move_kernel`` (tiles)  rec_meta, rec_pages_M, src_RH;      dev or host pool rows (copy);
                           flags + a pool (pop)                dst_RH rows and zero padding (pop)
 ``_free_kernel`` (1,)     flags, rec_meta, rec_pages_M,       the record tier's free list at
-                          state                               ``(tail + i) % P``, TAIL/HOST_TAIL
+                          state                               ``(tail + i) % P``, TAIL/HOST_TAIL,
+                                                              RETURNED, rec_meta
 ========================  ==================================  =====================================
 
 Data moves as raw bits: callers pass integer views (int16 for bf16, uint8 for fp8, ...); loads
@@ -47,12 +49,16 @@ _HOST_TAIL = tl.constexpr(int(State.HOST_TAIL))
 _HOST_HWM = tl.constexpr(int(State.HOST_HWM))
 _ROWS_STASHED = tl.constexpr(int(State.ROWS_STASHED))
 _SPILLED = tl.constexpr(int(State.SPILLED))
+_DEMANDED = tl.constexpr(int(State.DEMANDED))
+_RETURNED = tl.constexpr(int(State.RETURNED))
+_DEMAND_HWM = tl.constexpr(int(State.DEMAND_HWM))
 _OVERFLOW = tl.constexpr(int(Flag.OVERFLOW))
 _HOST_SPILL = tl.constexpr(int(Flag.HOST_SPILL))
 _INVALID = tl.constexpr(int(Flag.INVALID))
 _ROWS = tl.constexpr(int(Meta.ROWS))
 _TIER = tl.constexpr(int(Meta.TIER))
 _POPPED = tl.constexpr(int(Meta.POPPED))
+_NEED = tl.constexpr(int(Meta.NEED))
 _DEVICE = tl.constexpr(int(Tier.DEVICE))
 _HOST = tl.constexpr(int(Tier.HOST))
 
@@ -90,6 +96,13 @@ def _alloc_kernel(
 
     stored_rows = tl.where(stored, rows, 0)
     tier = to_dev.to(tl.int64) * _DEVICE + to_host.to(tl.int64) * _HOST  # Tier.NONE is 0
+    # What the step asks of the pool, stored or not, even after an overflow (layout.py).
+    asked = tl.where(bad, 0, need)
+    demanded = tl.load(state_ptr + _DEMANDED) + asked
+    outstanding = demanded - tl.load(state_ptr + _RETURNED)
+    tl.store(state_ptr + _DEMANDED, demanded)
+    tl.store(state_ptr + _DEMAND_HWM, tl.maximum(tl.load(state_ptr + _DEMAND_HWM), outstanding))
+    tl.store(rec_meta_ptr + _NEED, asked)
     tl.store(rec_meta_ptr + _ROWS, stored_rows)
     tl.store(rec_meta_ptr + _TIER, tier)
     tl.store(rec_meta_ptr + _POPPED, tier * 0)
@@ -198,6 +211,10 @@ def _free_kernel(
     # its update.
     tl.store(flags_ptr + _INVALID, tl.load(flags_ptr + _INVALID) + 1, mask=popped)
     tl.store(rec_meta_ptr + _POPPED, (popped | (active & stored)).to(tl.int64))
+    # The demand comes back once, stored or not (a second pop finds NEED cleared, or POPPED).
+    back = tl.where(popped, 0, tl.load(rec_meta_ptr + _NEED))
+    tl.store(state_ptr + _RETURNED, tl.load(state_ptr + _RETURNED) + back)
+    tl.store(rec_meta_ptr + _NEED, back * 0)
     n_dev = tl.where(tier == _DEVICE, need, 0)
     n_host = tl.where(tier == _HOST, need, 0)
     tail = tl.load(state_ptr + _TAIL)

@@ -15,14 +15,20 @@ result equals that of a run that never overflowed. Per step the runner:
 3. runs the step, then one ``all_reduce(SUM)`` over a small vector: one slot per rank with
    its step index, its 0/1 flags [stash overflow, over budget, host spill] and statistics
    (zero elsewhere, so the sum *is* the gather), the same length on every rank whatever pool
-   keys it holds (pairs of key code and high-water pages). That is the only device→host read
+   keys it holds (per pool key: its code, pages, high-water, demanded and balanced pages).
+   That is the only device→host read
    of a step without fallback. Ranks whose step indices differ skipped or repeated a step:
    :class:`StepDesyncError`, naming them;
 4. on overflow or over budget: restores the snapshot, zeroes what the attempt accumulated
    (:meth:`PagedStashRunner.clear_gradients`, then the ``before_rerun`` hook for a framework's
    own buffers), frees the pools and reruns inside ``manager.disabled()`` and the
    dispatchers' ``dropless_block()`` — the one switch each owns; nothing else writes their
-   settings. The pool is reallocated at the next step.
+   settings. The pool is reallocated at the next step;
+5. with ``grow_pool`` (the default), grows the pools that the step needed more of than they
+   hold, or than they hold / ``grow_headroom`` (and after the capture step, those smaller than
+   its observed peak x headroom), from the reduced figures alone: every rank decides the same,
+   and the next step reallocates, agreed across each expert-parallel group (docs/design.md,
+   "Pool sizing as routing drifts").
 
 With ``record_routing=True`` the runner also records, for ``te-paged plan``, every MoE layer's
 tokens per expert on every rank of the expert-parallel group (one ``all_gather`` and one host
@@ -54,26 +60,28 @@ import json
 import logging
 import math
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from te_paged.config.checks import require_int
-from te_paged.kernels.layout import Flag
+from te_paged.config.checks import require_bool, require_int, require_real
+from te_paged.kernels.layout import Flag, State
 from te_paged.moe import MoELayer, StaticBudgetDispatcher
 from te_paged.moe.participant import Participants, find_participants
 from te_paged.runtime.memory import measure_peak
 from te_paged.runtime.planner import RoutingProfile
 from te_paged.runtime.step_state import ModuleState, ModuleStateSnapshot
-from te_paged.stash import PagedStashManager, StashKey
+from te_paged.stash import PagedStashManager, StashKey, StashMode
+from te_paged.stash.buffer import MAX_KEYS, key_code, key_from_code
 from te_paged.telemetry import nvtx_range
 
 __all__ = [
     "FallbackLimitError",
     "InvalidCountsError",
     "PagedStashRunner",
+    "PoolLimitError",
     "StepDesyncError",
     "StepRecord",
     "StepState",
@@ -82,24 +90,14 @@ __all__ = [
 _MARGIN = 1.05  # headroom on suggested factors, so a repeat of the same peak fits
 _FLAGS = 3  # per rank: stash overflow, over budget, host spill
 _HEAD = 8  # per rank: step, stage, invalid, the _FLAGS flags, peak tokens, peak pair tokens
-_MAX_KEYS = 16  # pool keys (dtype, row width) a rank may hold: the reduction's fixed room
-_SLOT = _HEAD + 2 * _MAX_KEYS  # one rank's entries in the per-step reduction, on every rank
-
-# Pool keys as int64 codes for the reduction: (index of the dtype among torch's dtypes + 1)
-# << 32 | row width. Every rank runs the same torch, so the index agrees; 0 is "no key".
-# E.g. float32 x 4096 -> (index(float32) + 1) * 2**32 + 4096.
-_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
-
-
-def key_code(key: StashKey) -> int:
-    """``key`` as a positive int64 (see ``_DTYPES``)."""
-    if not 0 < key.hidden < 2**32:
-        raise ValueError(f"pool key {key}: its row width does not fit the reduction's code")
-    return (_DTYPES.index(key.dtype) + 1) << 32 | key.hidden
-
-
-def key_from_code(code: int) -> StashKey:
-    return StashKey(_DTYPES[(code >> 32) - 1], code & (2**32 - 1))
+_MAX_KEYS = MAX_KEYS  # pool keys (dtype, row width) a rank may hold: the reduction's fixed room
+_PER_KEY = 5  # per pool key: code, pages, high-water pages, demanded pages, balanced pages
+_GROWTH_WHY = {
+    "capture": "the capture step held more than the pools' factor gives",
+    "overflow": "the stash overflowed",
+    "headroom": "a rank's step left less than the headroom free",
+}
+_SLOT = _HEAD + _PER_KEY * _MAX_KEYS  # one rank's entries in the per-step reduction
 
 
 logger = logging.getLogger(__name__)
@@ -107,6 +105,10 @@ logger = logging.getLogger(__name__)
 
 class FallbackLimitError(RuntimeError):
     """Too many consecutive fallbacks: the static budgets are too small for this routing."""
+
+
+class PoolLimitError(RuntimeError):
+    """A stash overflow needs a pool larger than the runner's ``max_pool_bytes`` allows."""
 
 
 @dataclasses.dataclass
@@ -135,6 +137,13 @@ class StepRecord:
     # This rank's module buffers the failed attempt changed for the first time, so not copied
     # before it: the rerun started from their changed values (empty: everything was restored).
     unrestored_state: list[str] = dataclasses.field(default_factory=list)
+    # Per pool key, max over ranks of the pages the step needed at its peak, stored or not
+    # (State.DEMAND_HWM): what a pool would have to hold for the step not to overflow.
+    pool_demand_pages: dict[str, int] = dataclasses.field(default_factory=dict)
+    # This rank's pools that grew after this step (grow_pool): key -> {"from": pages, "to":
+    # pages, "needed": pages, "why": "capture" | "overflow" | "headroom"}; the next step
+    # allocates them (see PagedStashRunner).
+    pool_growth: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -147,6 +156,22 @@ class StepDesyncError(RuntimeError):
 class InvalidCountsError(RuntimeError):
     """A rank's layers saw token counts or expert ids that cannot be right (not an overflow: a
     rerun would see them again)."""
+
+
+class _PoolFigures(NamedTuple):
+    """One pool key's figures of one rank's step, from the per-step reduction."""
+
+    pages: int  # the pool's device pages
+    high_water: int  # pages in use at the peak (State.HWM)
+    demand: int  # pages needed at the peak, stored or not (State.DEMAND_HWM)
+    balanced: int  # the capture step's balanced-case peak pages
+
+
+class _RankStats(NamedTuple):
+    stage: int
+    peak_tokens: int
+    peak_pair_tokens: int
+    pools: dict[StashKey, _PoolFigures]
 
 
 @dataclasses.dataclass
@@ -166,7 +191,8 @@ class PagedStashRunner:
     """Wraps one training step's forward-backward; see the module docstring.
 
     ``PagedStashRunner(model, manager=None, *, group=None, max_consecutive_fallbacks=3,
-    grow_pool=False, measure_fallback_memory=True, record_routing=False, before_rerun=None)``.
+    grow_pool=True, grow_headroom=1.10, per_rank_pools=False, max_pool_bytes=None,
+    measure_fallback_memory=True, record_routing=False, before_rerun=None)``.
     ``model`` (a module or a list of model chunks) is searched for
     :class:`~te_paged.moe.participant.PagedStashParticipant` modules: their stash managers and
     static-budget dispatchers are what the runner resets, reads and switches; ``manager`` adds
@@ -179,6 +205,17 @@ class PagedStashRunner:
     timeout); past it, :class:`StepDesyncError`. Before a rerun the runner also puts back the
     model's buffers, FP8 metas and :class:`~te_paged.runtime.step_state.Restorable` modules;
     ``restorables`` adds objects outside the model (see :mod:`te_paged.runtime.step_state`).
+
+    Pool sizing (docs/choosing-factors.md): with ``grow_pool`` (the default) a stash overflow
+    grows each pool that was too small, once, to the pages the failed step needed
+    (``StepRecord.pool_demand_pages``) times ``grow_headroom`` (routing varies from step to
+    step), never past the capture step's static peak (a pool that large saves nothing); the
+    next step allocates it. ``grow_pool=False``
+    keeps the pools as sized. The ranks of each expert-parallel group agree on pool sizes at
+    allocation (the manager's ``pool_group``: one collective per allocation); ``per_rank_pools``
+    lets each rank size its own. ``max_pool_bytes`` bounds one rank's device pools in all: an
+    overflow whose step needed more raises :class:`PoolLimitError` on every rank (before any
+    rerun), and growth's headroom is dropped where it would pass the bound.
     """
 
     def __init__(
@@ -188,7 +225,10 @@ class PagedStashRunner:
         *,
         group: dist.ProcessGroup | None = None,
         max_consecutive_fallbacks: int = 3,
-        grow_pool: bool = False,
+        grow_pool: bool = True,
+        grow_headroom: float = 1.10,
+        per_rank_pools: bool = False,
+        max_pool_bytes: int | None = None,
         measure_fallback_memory: bool = True,
         record_routing: bool = False,
         before_rerun: Callable[[], None] | None = None,
@@ -198,6 +238,11 @@ class PagedStashRunner:
         restorables: Iterable[object] = (),
     ) -> None:
         require_int("keep_records", keep_records, minimum=0)
+        require_bool("grow_pool", grow_pool)
+        self.grow_headroom = require_real("grow_headroom", grow_headroom, 1.0)
+        require_bool("per_rank_pools", per_rank_pools)
+        if max_pool_bytes is not None:
+            require_int("max_pool_bytes", max_pool_bytes, minimum=1)
         if timeout is not None and not isinstance(timeout, datetime.timedelta):
             raise TypeError(f"timeout must be a datetime.timedelta, got {timeout!r}")
         self.timeout = timeout
@@ -223,6 +268,15 @@ class PagedStashRunner:
         self.group = group
         self.max_consecutive_fallbacks = max_consecutive_fallbacks
         self.grow_pool = grow_pool
+        self.per_rank_pools = per_rank_pools
+        self.max_pool_bytes = max_pool_bytes
+        if not per_rank_pools:  # the EP group's ranks hold the same pools
+            ep_groups = [
+                d.group for d in self.dispatchers if getattr(d, "ep_size", 1) > 1 and d.group
+            ]
+            for manager in self.managers:
+                if manager.pool_group is None and ep_groups:
+                    manager.pool_group = ep_groups[0]
         self.measure_fallback_memory = measure_fallback_memory
         self.consecutive_fallbacks = 0
         self._unrestored: list[str] = []  # buffers the last restore could not put back
@@ -284,21 +338,25 @@ class PagedStashRunner:
         vectors of one length; the key codes say which pool each high-water mark is of."""
         zero = torch.zeros((), dtype=torch.int64, device=device)
         overflow = spill = invalid = zero
-        hwm: dict[StashKey, torch.Tensor] = {}
+        hwm: dict[StashKey, torch.Tensor] = {}  # (HWM, DEMAND_HWM) per key, on the device
+        const: dict[StashKey, tuple[int, int]] = {}  # (pages, balanced pages): host constants
+        keys = list(dict.fromkeys(k for m in self.managers for k in m.buffers))
+        if len(keys) > _MAX_KEYS:
+            raise ValueError(
+                f"this rank holds {len(keys)} paged-stash pools ({', '.join(map(str, keys))}); "
+                f"the runner's per-step reduction has room for {_MAX_KEYS} (one pool per "
+                "dtype and row width)"
+            )
         for manager in self.managers:
             manager.join_side_streams()  # the flags and pool states are the side streams' too
             overflow = overflow + (manager.flags[Flag.OVERFLOW] > 0).long()
             spill = spill + (manager.flags[Flag.HOST_SPILL] > 0).long()
             invalid = invalid + (manager.flags[Flag.INVALID] > 0).long()
             for key, buf in manager.buffers.items():
-                h = buf.state[2].to(device)  # State.HWM
+                h = buf.state[[State.HWM, State.DEMAND_HWM]].to(device)
                 hwm[key] = torch.maximum(hwm[key], h) if key in hwm else h
-        if len(hwm) > _MAX_KEYS:
-            raise ValueError(
-                f"this rank holds {len(hwm)} paged-stash pools ({', '.join(map(str, hwm))}); "
-                f"the runner's per-step reduction has room for {_MAX_KEYS} (one pool per "
-                "dtype and row width)"
-            )
+                figures = (buf.num_pages, manager.capture_peaks(key)[0])
+                const[key] = max(const.get(key, (0, 0)), figures)
         over = peak = peak_pair = zero
         for d in self.dispatchers:
             over = over + (d.over_budget > 0).long().to(device)
@@ -311,13 +369,15 @@ class PagedStashRunner:
         step = torch.tensor([self.step_index, self.stage], dtype=torch.int64, device=device)
         mine = [step, (invalid > 0).long().reshape(1), *(f.reshape(1) for f in flags)]
         mine += [peak.reshape(1), peak_pair.reshape(1)]
-        if hwm:  # (code, hwm) pairs: one host-to-device copy for all the codes
-            codes = torch.tensor([key_code(k) for k in hwm], dtype=torch.int64, device=device)
-            mine.append(torch.stack([codes, torch.stack(list(hwm.values()))], dim=1).reshape(-1))
+        if hwm:  # (code, pages, hwm, demand, balanced): one host-to-device copy, no read
+            host = [(key_code(k), *const[k]) for k in hwm]
+            host = torch.tensor(host, dtype=torch.int64, device=device)
+            per_key = torch.cat([host[:, :2], torch.stack(list(hwm.values())), host[:, 2:]], 1)
+            mine.append(per_key.reshape(-1))
         out = torch.cat(mine)
         return torch.cat([out, out.new_zeros(_SLOT - out.numel())])
 
-    def _reduce(self) -> tuple[list[list[int]], list[tuple[int, int, int, dict[str, int]]]]:
+    def _reduce(self) -> tuple[list[list[int]], list[_RankStats]]:
         """One ``all_reduce(SUM)`` over one slot per rank (zero elsewhere, so the sum is a
         gather) with its step index, pipeline stage, flags and statistics. Returns, per flag
         [overflow, overbudget, spill], the ranks that raised it; and each rank's statistics
@@ -354,13 +414,9 @@ class PagedStashRunner:
         flag_ranks = [[r for r, row in enumerate(per_rank) if row[3 + f]] for f in range(_FLAGS)]
         stats = []
         for row in per_rank:
-            pairs = row[_HEAD:]
-            hwm = {
-                str(key_from_code(code)): h
-                for code, h in zip(pairs[::2], pairs[1::2], strict=True)
-                if code
-            }
-            stats.append((row[1], row[3 + _FLAGS], row[4 + _FLAGS], hwm))
+            keys = [row[i : i + _PER_KEY] for i in range(_HEAD, _SLOT, _PER_KEY)]
+            pools = {key_from_code(k[0]): _PoolFigures(*k[1:]) for k in keys if k[0]}
+            stats.append(_RankStats(row[1], row[3 + _FLAGS], row[4 + _FLAGS], pools))
         return flag_ranks, stats
 
     def _invalid_here(self) -> str:
@@ -456,6 +512,7 @@ class PagedStashRunner:
                 raise ValueError(f"step must be a non-negative int, got {step!r}")
             self.step_index = step
         self._begin_step()
+        capturing = any(m.mode is StashMode.CAPTURE for m in self.managers)
         state = self.snapshot_state()
         with contextlib.ExitStack() as no_stash:
             if forward_only:
@@ -468,18 +525,20 @@ class PagedStashRunner:
             flag_ranks, per_rank = self._reduce()
         overflow, overbudget, spill = (len(ranks) for ranks in flag_ranks)
         budget, balanced = self._budget()
-        peak_tokens = max((r[1] for r in per_rank), default=0)
-        peak_pair = max((r[2] for r in per_rank), default=0)
+        peak_tokens = max((r.peak_tokens for r in per_rank), default=0)
+        peak_pair = max((r.peak_pair_tokens for r in per_rank), default=0)
         hwm: dict[str, int] = {}
-        for _, _, _, pools in per_rank:  # every key any rank holds: max over the ranks with it
-            for k, h in pools.items():
-                hwm[k] = max(hwm.get(k, 0), h)
+        demand: dict[str, int] = {}
+        for r in per_rank:  # every key any rank holds: max over the ranks with it
+            for k, figures in r.pools.items():
+                hwm[str(k)] = max(hwm.get(str(k), 0), figures.high_water)
+                demand[str(k)] = max(demand.get(str(k), 0), figures.demand)
         stages: dict[str, dict[str, int]] = {}
-        if any(r[0] for r in per_rank):  # more than one pipeline stage
-            for stage, _, _, pools in per_rank:
-                mine = stages.setdefault(str(stage), {})
-                for k, h in pools.items():
-                    mine[k] = max(mine.get(k, 0), h)
+        if any(r.stage for r in per_rank):  # more than one pipeline stage
+            for r in per_rank:
+                mine = stages.setdefault(str(r.stage), {})
+                for k, figures in r.pools.items():
+                    mine[str(k)] = max(mine.get(str(k), 0), figures.high_water)
         record = StepRecord(
             step=self.step_index,
             attempt=1,
@@ -494,9 +553,16 @@ class PagedStashRunner:
             peak_tokens=peak_tokens,
             budget_tokens=budget,
             balanced_tokens=balanced,
+            pool_demand_pages=demand,
         )
+        if capturing and self.grow_pool and not forward_only:
+            # The capture step's observed peak is a need too: no pool starts below it.
+            needs = {k: m.capture_peaks(k)[1] for m in self.managers for k in m.keys}
+            self._grow(record, needs, "capture")
         if record.will_retry:
-            self._suggest(record, peak_pair)
+            self._suggest(record, peak_pair, per_rank)
+            if overflow and self.max_pool_bytes is not None and not forward_only:
+                self._check_pool_bound(record, per_rank)
             if self.consecutive_fallbacks >= self.max_consecutive_fallbacks and not forward_only:
                 fits = [
                     f"{name} to >= {value}"
@@ -518,9 +584,11 @@ class PagedStashRunner:
                 self.consecutive_fallbacks += 1
             # Before the rerun: seen even if the dropless rerun runs out of memory.
             self._log(logging.WARNING, self._fallback_message(record, flag_ranks, len(per_rank)))
-            result = self._fallback(step_fn, state, record)
+            result = self._fallback(step_fn, state, record, per_rank)
         elif not forward_only:
             self.consecutive_fallbacks = 0
+            if self.grow_pool and record.enabled and not capturing:
+                self._grow_ahead(record, per_rank)
             if spill:
                 self._log(logging.INFO, self._spill_message(record, flag_ranks[2], len(per_rank)))
         if self.record_routing:
@@ -555,14 +623,14 @@ class PagedStashRunner:
             "moe_paged_stash_buffer_size_factor_cuda": record.suggested_buffer_size_factor_cuda,
         }
         fits = [f"{name} >= {value}" for name, value in suggested.items() if value is not None]
-        growing = self.grow_pool and record.suggested_buffer_size_factor_cuda is not None
+        growing = self.grow_pool and bool(overflow)
         return (
             f"PagedStashRunner: step {record.step} reruns dropless without the paged stash "
             f"({world} rank(s): {'; '.join(why)}); its result equals a run without the stash. "
             f"Fallback {self.consecutive_fallbacks} of {self.max_consecutive_fallbacks} allowed "
             "in a row before FallbackLimitError; would have fitted: "
             + (", ".join(fits) or "unknown (no dispatcher reports token counts)")
-            + (" (grow_pool raises the pool factor)" if growing else "")
+            + ("; the pools grow to what this step needed (grow_pool)" if growing else "")
         )
 
     def _spill_message(self, record: StepRecord, ranks: list[int], world: int) -> str:
@@ -578,14 +646,22 @@ class PagedStashRunner:
             f"is copied to the host and back){keep}"
         )
 
-    def _fitting_pool_factor(self, record: StepRecord) -> float | None:
-        # The pool holds factor x (balanced pages of the live tensors); each tensor really
-        # needs (its tokens / balanced) of that. Assuming every layer at the step's peak
-        # bounds the factor that fits, whatever the current one was.
-        if not self.managers or not record.balanced_tokens or not record.peak_tokens:
-            return None
-        ratio = record.peak_tokens / record.balanced_tokens
-        return math.ceil(100 * ratio * _MARGIN) / 100
+    def _fitting_pool_factor(
+        self, record: StepRecord, per_rank: list[_RankStats] | None = None
+    ) -> float | None:
+        # The pool holds factor x (balanced peak pages). The step's demanded peak over its
+        # balanced peak, max over ranks and keys, is the factor that would have fitted it.
+        ratios = [
+            figures.demand / figures.balanced
+            for r in per_rank or []
+            for figures in r.pools.values()
+            if figures.balanced and figures.demand
+        ]
+        if not ratios:  # no pool this step (the host tier spilled?): bound it by the tokens
+            if not self.managers or not record.balanced_tokens or not record.peak_tokens:
+                return None
+            ratios = [record.peak_tokens / record.balanced_tokens]
+        return math.ceil(100 * max(ratios) * _MARGIN) / 100
 
     def _stash_enabled(self) -> bool:
         return bool(self.managers) and all(m.enabled for m in self.managers)
@@ -593,7 +669,9 @@ class PagedStashRunner:
     def _pool_pages(self) -> dict[str, int]:
         return {str(k): b.num_pages for m in self.managers for k, b in m.buffers.items()}
 
-    def _suggest(self, record: StepRecord, peak_pair_tokens: int) -> None:
+    def _suggest(
+        self, record: StepRecord, peak_pair_tokens: int, per_rank: list[_RankStats]
+    ) -> None:
         if record.overbudget_ranks and self.dispatchers:
             d = self.dispatchers[0]
             # The dispatcher's budget is per (source, destination) pair: size from that peak.
@@ -602,13 +680,89 @@ class PagedStashRunner:
             )
             record.suggested_capacity_factor = fit
         if record.stash_overflow_ranks:
-            record.suggested_buffer_size_factor_cuda = self._fitting_pool_factor(record)
+            record.suggested_buffer_size_factor_cuda = self._fitting_pool_factor(record, per_rank)
 
-    def _fallback(self, step_fn: Callable[[], Any], state: StepState, record: StepRecord) -> Any:
+    def _page_bytes(self, key: StashKey) -> int:
+        manager = self.managers[0]
+        return manager.page_size * key.hidden * torch.empty((), dtype=key.dtype).element_size()
+
+    def _check_pool_bound(self, record: StepRecord, per_rank: list[_RankStats]) -> None:
+        """Every rank decides from the same reduced figures: all raise, or none does."""
+        needs = [sum(f.demand * self._page_bytes(k) for k, f in r.pools.items()) for r in per_rank]
+        over = [rank for rank, need in enumerate(needs) if need > self.max_pool_bytes]
+        if over:
+            raise PoolLimitError(
+                f"step {record.step}: the stash overflowed and rank(s) {over} needed "
+                f"{max(needs) / 2**20:.2f} MiB of device pool at the step's peak "
+                f"({', '.join(f'{k} {v} pages' for k, v in record.pool_demand_pages.items())}), "
+                f"more than max_pool_bytes={self.max_pool_bytes} "
+                f"({self.max_pool_bytes / 2**20:.2f} MiB) allows: raise max_pool_bytes, add a "
+                "host tier (moe_paged_stash_buffer_size_factor_cpu) or balance the routing"
+            )
+
+    def _grow(
+        self, record: StepRecord, needs: dict[StashKey, int], why: str, *, every: bool = False
+    ) -> None:
+        """Grow this rank's pools to ``needs`` (pages per key) times the headroom, never past
+        a key's static peak nor, with ``max_pool_bytes``, past the bound (the headroom is
+        dropped there); a pool already that large is left alone. Records and logs it."""
+        for manager in self.managers:
+            want = {}
+            for key in manager.keys:
+                if key in needs:
+                    static = manager.capture_peaks(key)[2]
+                    want[key] = min(math.ceil(needs[key] * self.grow_headroom), static)
+            if self.max_pool_bytes is not None:
+                total = sum(pages * self._page_bytes(k) for k, pages in want.items())
+                if total > self.max_pool_bytes:  # the need fits (checked): drop the headroom
+                    want = {k: needs[k] for k in want}
+            wanted = {k: pages for k, pages in want.items() if pages}
+            grown = manager.grow(wanted, reallocate_all=every)
+            for key, (old, new) in grown.items():
+                record.pool_growth[str(key)] = {
+                    "from": old, "to": new, "needed": needs[key], "why": why,
+                }  # fmt: skip
+        if record.pool_growth:
+            pools = "; ".join(
+                f"{k} {g['from']} -> {g['to']} pages (needed {g['needed']})"
+                for k, g in record.pool_growth.items()
+            )
+            self._log(
+                logging.INFO,
+                f"PagedStashRunner: step {record.step}: {_GROWTH_WHY[why]}, so the pools grow "
+                f"to that x grow_headroom {self.grow_headroom:g}: {pools} (rank "
+                f"{self._world()[0]}; an expert-parallel group's ranks take their largest); "
+                "allocated at the next step",
+            )
+
+    def _grow_ahead(self, record: StepRecord, per_rank: list[_RankStats]) -> None:
+        """After a step that kept its result with the stash, grow before anything overflows:
+        if any rank's step needed more than its pool / headroom, every rank grows to its own
+        need x headroom and frees its pools (all ranks decide alike from the reduced figures,
+        so an expert-parallel group reallocates, and agrees, together). Nothing is rerun.
+        """
+        short = [
+            rank
+            for rank, r in enumerate(per_rank)
+            if any(math.ceil(f.demand * self.grow_headroom) > f.pages for f in r.pools.values())
+        ]
+        if not short:
+            return
+        mine = per_rank[self._world()[0]]
+        # Every rank reallocates at the next reset(), so a group allocates, and agrees, together.
+        self._grow(record, {k: f.demand for k, f in mine.pools.items()}, "headroom", every=True)
+
+    def _fallback(
+        self, step_fn: Callable[[], Any], state: StepState, record: StepRecord,
+        per_rank: list[_RankStats],
+    ) -> Any:  # fmt: skip
         with nvtx_range("te_paged.rerun"):
-            return self._rerun(step_fn, state, record)
+            return self._rerun(step_fn, state, record, per_rank)
 
-    def _rerun(self, step_fn: Callable[[], Any], state: StepState, record: StepRecord) -> Any:
+    def _rerun(
+        self, step_fn: Callable[[], Any], state: StepState, record: StepRecord,
+        per_rank: list[_RankStats],
+    ) -> Any:  # fmt: skip
         self._unrestored = []
         self.restore_state(state)
         record.unrestored_state = list(self._unrestored)
@@ -622,19 +776,11 @@ class PagedStashRunner:
                 ", ".join(record.unrestored_state),
             )
         self.clear_gradients()
+        if self.grow_pool and record.stash_overflow_ranks and record.enabled:
+            mine = per_rank[self._world()[0]]
+            self._grow(record, {k: f.demand for k, f in mine.pools.items()}, "overflow")
         for manager in self.managers:
             manager.release()  # the pool and the dropless rerun never coexist
-            suggested = record.suggested_buffer_size_factor_cuda
-            if self.grow_pool and suggested is not None:
-                old = manager.buffer_size_factor_cuda
-                if suggested > old:
-                    manager.buffer_size_factor_cuda = suggested
-                    self._log(
-                        logging.INFO,
-                        f"PagedStashRunner: step {record.step}: grow_pool raises the pool "
-                        f"factor (buffer_size_factor_cuda) from {old:g} to {suggested:g}; the "
-                        "pools are reallocated at the next step",
-                    )
         self._route_calls.clear()  # the rerun routes the same tokens again: count them once
         with contextlib.ExitStack() as fallback:
             for manager in self.managers:

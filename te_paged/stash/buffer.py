@@ -13,7 +13,7 @@ import torch
 from te_paged.config.checks import require_device, require_int
 from te_paged.kernels.layout import STATE_LEN, State
 
-__all__ = ["PagedStashBuffer", "StashKey", "storage_dtype"]
+__all__ = ["MAX_KEYS", "PagedStashBuffer", "StashKey", "key_code", "key_from_code", "storage_dtype"]
 
 _BITS_BY_ITEMSIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -41,6 +41,27 @@ class StashKey:
 
     def __str__(self) -> str:
         return f"{str(self.dtype).removeprefix('torch.')}x{self.hidden}"
+
+
+#: Pool keys (dtype, row width) a rank may hold: the fixed room of the collectives that carry
+#: per-key figures (the runner's per-step reduction, the pool-size agreement at allocation).
+MAX_KEYS = 16
+
+# Pool keys as int64 codes for collectives: (index of the dtype among torch's dtypes + 1)
+# << 32 | row width. Every rank runs the same torch, so the index agrees; 0 is "no key".
+# E.g. float32 x 4096 -> (index(float32) + 1) * 2**32 + 4096.
+_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+
+
+def key_code(key: StashKey) -> int:
+    """``key`` as a positive int64 (see ``_DTYPES``)."""
+    if not 0 < key.hidden < 2**32:
+        raise ValueError(f"pool key {key}: its row width does not fit the collectives' code")
+    return (_DTYPES.index(key.dtype) + 1) << 32 | key.hidden
+
+
+def key_from_code(code: int) -> StashKey:
+    return StashKey(_DTYPES[(code >> 32) - 1], code & (2**32 - 1))
 
 
 class PagedStashBuffer:

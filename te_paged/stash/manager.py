@@ -57,7 +57,14 @@ from te_paged.markers import (
     grouped_tensor_marker,
     is_checkpoint_without_output_tensor,
 )
-from te_paged.stash.buffer import PagedStashBuffer, StashKey, storage_dtype
+from te_paged.stash.buffer import (
+    MAX_KEYS,
+    PagedStashBuffer,
+    StashKey,
+    key_code,
+    key_from_code,
+    storage_dtype,
+)
 from te_paged.stash.sizing import check_factor, describe_factor, pool_pages
 from te_paged.stash.streams import COMPUTE, PACK, UNPACK, CudaStreams, Streams
 from te_paged.telemetry import TimelineEvent, nvtx_range
@@ -91,6 +98,8 @@ class _Peak:
     peak_balanced: int = 0
     live_balanced_pages: int = 0
     peak_balanced_pages: int = 0
+    live_static_pages: int = 0  # each live tensor's static rows (its whole buffer) in pages
+    peak_static_pages: int = 0  # a pool this large saves nothing over not stashing
 
 
 @dataclasses.dataclass
@@ -115,6 +124,8 @@ class StashStats:
     capture_peak_balanced_rows: dict[str, int]
     capture_peak_balanced_pages: dict[str, int]
     capture_peak_pages: dict[str, int]  # observed: the real rows in whole pages
+    capture_peak_static_pages: dict[str, int]  # every tensor at its static rows: no saving
+    pages_demanded: dict[str, int]  # the step's peak need, stored or not (State.DEMAND_HWM)
 
 
 class _Group:
@@ -180,6 +191,13 @@ class PagedStashManager:
     on their own streams; turn it off to debug, e.g. a suspected ordering problem.
     ``reload_lookahead`` (default 1) is how many earlier scopes a backward reload prefetches
     (0: reload each tensor when backward first uses it).
+
+    ``pool_group`` (default ``None``: each rank sizes its own pools) is a process group whose
+    ranks agree on pool sizes: every allocation then takes, per pool key, the largest size any
+    rank of the group asks for (one ``all_gather`` per allocation, none per step), so the ranks
+    of an expert-parallel group hold the same pools. Every rank of the group must then call
+    :meth:`reset` at the same steps (a runner does); :class:`~te_paged.runtime.PagedStashRunner`
+    sets it to the expert-parallel group unless told ``per_rank_pools=True``.
     """
 
     def __init__(
@@ -194,6 +212,7 @@ class PagedStashManager:
         record_timeline: bool = False,
         stream_overlap: bool | None = None,
         reload_lookahead: int = 1,
+        pool_group: dist.ProcessGroup | None = None,
     ) -> None:
         page_size = require_int("page_size", page_size, minimum=1)
         # Megatron's sign convention: > 0 sizes from the balanced peak, < 0 from the observed one
@@ -260,6 +279,10 @@ class PagedStashManager:
         self._stepped_since_reset = False
         self._warned_no_reset = False
         self._allocations = 0  # pool allocations so far: the first sizes from the capture step
+        self.pool_group = pool_group
+        # Device pages per key that grow() set: a pool is never allocated smaller again.
+        self._floors: dict[StashKey, int] = {}
+        self._reallocate: set[StashKey] = set()  # pools the next reset() allocates anew
         handle = register_optimizer_step_post_hook(
             functools.partial(_note_optimizer_step, weakref.ref(self))
         )
@@ -321,6 +344,12 @@ class PagedStashManager:
         self._generation += 1
         if self.mode is StashMode.CAPTURE and self._peaks:
             self.mode = StashMode.CAPTURED
+        if self._reallocate:  # grow(): the old pools go, the next lines allocate the new ones
+            gone = [("pool", k) for k in self._reallocate if k in self.buffers]
+            self._streams.note("regrow", releases=gone)
+            for key in self._reallocate:
+                self.buffers.pop(key, None)
+            self._reallocate.clear()
         if self.mode is StashMode.CAPTURED and len(self.buffers) < len(self._peaks):
             self._allocate()
         for buffer in self.buffers.values():
@@ -334,7 +363,7 @@ class PagedStashManager:
             self.timeline.clear()
         for peak in self._peaks.values():
             peak.live_rows = peak.live_pages = 0
-            peak.live_balanced = peak.live_balanced_pages = 0
+            peak.live_balanced = peak.live_balanced_pages = peak.live_static_pages = 0
 
     def invalid_counts(self) -> list[tuple[int | None, int, int]]:
         """``(layer, num_tokens, max_num_tokens)`` of each scope of this step whose token count
@@ -386,27 +415,95 @@ class PagedStashManager:
         peak = self._peaks[key]
         balanced, observed = peak.peak_balanced_pages, peak.peak_pages
         dev = max(1, pool_pages(self.buffer_size_factor_cuda, balanced, observed))
+        dev = max(dev, self._floors.get(key, 0))  # grown by grow(): never smaller again
         host = pool_pages(self.buffer_size_factor_cpu, balanced, observed)
         return dev, host
+
+    def capture_peaks(self, key: StashKey) -> tuple[int, int, int]:
+        """``(balanced, observed, static)`` peak pages of ``key`` in the capture step: every
+        live tensor at the balanced row count, at its real rows, at its static buffer's rows (a
+        pool of the static peak saves nothing over not stashing; none can need more)."""
+        peak = self._peaks[key]
+        return peak.peak_balanced_pages, peak.peak_pages, peak.peak_static_pages
+
+    @property
+    def keys(self) -> list[StashKey]:
+        """The pool keys the capture step found (empty before it)."""
+        return list(self._peaks)
+
+    def grow(
+        self, pages: dict[StashKey, int], *, reallocate_all: bool = False
+    ) -> dict[StashKey, tuple[int, int]]:
+        """Make the device pool of each key hold at least ``pages[key]`` pages from the next
+        :meth:`reset` on; a pool already that large is left alone. Returns ``{key: (old pages,
+        new pages)}`` of the pools that grow. The pools in use stay as they are until then
+        (a step's statistics still describe them), and the next ``reset()`` reallocates the
+        grown ones — or, with ``reallocate_all``, every pool, so that the ranks of a
+        ``pool_group`` allocate, and agree, at the same step even where only some grew. A runner
+        calls it after a step that needed more than a pool holds (or than its headroom).
+        """
+        grown = {}
+        for key, want in pages.items():
+            if key not in self._peaks:
+                raise KeyError(f"no pool key {key} in this manager (keys: {self.keys})")
+            want = require_int(f"pages[{key}]", want, minimum=1)
+            held = self.buffers.get(key)
+            old = held.num_pages if held is not None else self.pool_pages_for(key)[0]
+            if want > old:
+                self._floors[key] = want
+                grown[key] = (old, want)
+        self._reallocate.update(self.buffers if reallocate_all else grown)
+        return grown
 
     def _allocate(self) -> None:
         new = []
         with nvtx_range("te_paged.allocate"):
-            for key in self._peaks:
-                if key not in self.buffers:
-                    dev, host = self.pool_pages_for(key)
-                    buffer = PagedStashBuffer(key, dev, self.page_size, self.device, host)
-                    self.buffers[key] = buffer
-                    new.append(buffer)
+            sizes = {k: self.pool_pages_for(k) for k in self._peaks if k not in self.buffers}
+            sizes = self._agree(sizes)
+            for key, (dev, host) in sizes.items():
+                buffer = PagedStashBuffer(key, dev, self.page_size, self.device, host)
+                self.buffers[key] = buffer
+                new.append(buffer)
         self._allocations += 1
         if logger.isEnabledFor(logging.INFO):
             self._log_allocation(new)
+
+    def _agree(self, sizes: dict[StashKey, tuple[int, int]]) -> dict[StashKey, tuple[int, int]]:
+        """With a ``pool_group``, the group's largest (device, host) pages per key: one
+        ``all_gather`` of a fixed-length vector (:data:`MAX_KEYS` triples of key code and
+        pages), so ranks holding different keys still exchange vectors of one length."""
+        group = self.pool_group
+        if group is None or not (dist.is_available() and dist.is_initialized()):
+            return sizes
+        world = dist.get_world_size(group)
+        if world == 1:
+            return sizes
+        if len(sizes) > MAX_KEYS:
+            raise ValueError(
+                f"{len(sizes)} pool keys to allocate; agreeing their sizes across the group "
+                f"has room for {MAX_KEYS} (one pool per dtype and row width)"
+            )
+        mine = torch.zeros(3 * MAX_KEYS, dtype=torch.int64)
+        for i, (key, (dev, host)) in enumerate(sizes.items()):
+            mine[3 * i : 3 * i + 3] = torch.tensor([key_code(key), dev, host])
+        # The group's backend decides where the vector must live (gloo: CPU, NCCL: CUDA).
+        device = self.device if dist.get_backend(group) != "gloo" else torch.device("cpu")
+        mine = mine.to(device)
+        every = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(every, mine, group=group)
+        agreed = dict(sizes)
+        for row in torch.stack(every).cpu().view(world, MAX_KEYS, 3).tolist():
+            for code, dev, host in row:
+                key = key_from_code(code) if code else None
+                if key in agreed:
+                    agreed[key] = (max(agreed[key][0], dev), max(agreed[key][1], host))
+        return agreed
 
     def _log_allocation(self, new: list[PagedStashBuffer]) -> None:
         why = (
             "sized from the capture step"
             if self._allocations == 1
-            else "reallocated after release() (a runner's fallback frees them)"
+            else "reallocated after release() (a runner's fallback frees them) or grow()"
         )
         pools = []
         for b in new:
@@ -416,7 +513,9 @@ class PagedStashManager:
                 f"{b.pool_bytes / _MIB:.2f} MiB (capture peak "
                 f"{self._peaks[b.key].peak_balanced_pages} balanced / "
                 f"{self._peaks[b.key].peak_pages} observed pages; buffer_size_factor_cuda "
-                f"{describe_factor(self.buffer_size_factor_cuda)}{host})"
+                f"{describe_factor(self.buffer_size_factor_cuda)}"
+                + (f", grown to at least {self._floors[b.key]}" if b.key in self._floors else "")
+                + f"{host})"
             )
         total = sum(b.pool_bytes + b.host_pool_bytes for b in new) / _MIB
         where = str(self.device)
@@ -653,6 +752,8 @@ class PagedStashManager:
         peak.peak_pages = max(peak.peak_pages, peak.live_pages)
         peak.peak_balanced = max(peak.peak_balanced, peak.live_balanced)
         peak.peak_balanced_pages = max(peak.peak_balanced_pages, peak.live_balanced_pages)
+        peak.live_static_pages += -(-max_rows // self.page_size)
+        peak.peak_static_pages = max(peak.peak_static_pages, peak.live_static_pages)
         handle = _Captured(
             key=key,
             max_rows=max_rows,
@@ -707,6 +808,7 @@ class PagedStashManager:
                 peak.live_pages -= -(-handle.rows // self.page_size)
                 peak.live_balanced -= handle.balanced
                 peak.live_balanced_pages -= -(-handle.balanced // self.page_size)
+                peak.live_static_pages -= -(-handle.max_rows // self.page_size)
                 handle.rows_RH = None
                 handle.reloaded = out_RH.view(handle.dtype).view(handle.shape)
                 self._pops += 1
@@ -791,13 +893,14 @@ class PagedStashManager:
         self.join_side_streams()
         self._streams.note("stats", reads=["flags", *(("pool", k) for k in self.buffers)])
         flags = self.flags.tolist()
-        pool_pages, host_pages, hwm, host_hwm = {}, {}, {}, {}
+        pool_pages, host_pages, hwm, host_hwm, demanded = {}, {}, {}, {}, {}
         bytes_stashed, spilled = self._capture_bytes, 0
         for key, buf in self.buffers.items():
             state = buf.state.tolist()
             name = str(key)
             pool_pages[name], host_pages[name] = buf.num_pages, buf.host_num_pages
             hwm[name], host_hwm[name] = state[State.HWM], state[State.HOST_HWM]
+            demanded[name] = state[State.DEMAND_HWM]
             bytes_stashed += state[State.ROWS_STASHED] * key.hidden * buf.pool_NH.element_size()
             spilled += state[State.SPILLED]
         return StashStats(
@@ -821,6 +924,8 @@ class PagedStashManager:
                 str(k): p.peak_balanced_pages for k, p in self._peaks.items()
             },
             capture_peak_pages={str(k): p.peak_pages for k, p in self._peaks.items()},
+            capture_peak_static_pages={str(k): p.peak_static_pages for k, p in self._peaks.items()},
+            pages_demanded=demanded,
         )
 
 

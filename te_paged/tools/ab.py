@@ -124,7 +124,10 @@ class ABResult:
         off = max(r.off[step].peak_bytes for r in ranks)
         s = max(r.s_bytes for r in ranks)
         cfg = self.config
-        cf, bf = cfg["capacity_factor"], cfg["buffer_factor_cuda"]
+        pool = max(r.pool_bytes for r in ranks)
+        # The factor in effect: the pool the step held over S. Grown pools (grow_pool) hold
+        # more than the configured factor gives, and the model must count what they hold.
+        cf, bf = cfg["capacity_factor"], (pool / s if s > 0 else cfg["buffer_factor_cuda"])
         predicted = capacity_model_saving(cf, bf, s)
         layers = cfg["layers"] if stage is None else self.live_layers(stage)
         reloads = max(r.reload_layers for r in ranks)
@@ -134,8 +137,9 @@ class ABResult:
             "step": step,
             "peak_on_bytes": on,
             "peak_off_bytes": off,
-            "pool_bytes": max(r.pool_bytes for r in ranks),
+            "pool_bytes": pool,
             "S_bytes": s,
+            "buffer_factor": bf,
             "saving_bytes": saving,
             "predicted_saving_bytes": predicted,
             "measured_over_predicted": saving / predicted if predicted > 0 else None,
@@ -224,6 +228,7 @@ def _run(
         model,
         model.manager,
         group=group,
+        grow_pool=cfg.grow_pool,
         measure_fallback_memory=False,
         record_routing=record_routing,  # a host read and a collective per step: OFF run only
     )
@@ -366,7 +371,7 @@ def _memory_row(m: dict, cfg: dict, layers: int, stage: int | None = None, reloa
         f"{lead}| {_mib(m['peak_on_bytes'])} | {_mib(m['peak_off_bytes'])} "
         f"| {_mib(m['pool_bytes'])} | {_mib(m['saving_bytes'])} "
         f"| {_mib(m['predicted_saving_bytes'])} "
-        f"(cf {cfg['capacity_factor']}, bf {cfg['buffer_factor_cuda']}, "
+        f"(cf {cfg['capacity_factor']}, bf {m['buffer_factor']:.2f}, "
         f"S {_mib(m['S_bytes'])}) "
         f"| {_percent(m['measured_over_predicted'])} "
         f"| {_mib(m['reload_adjusted_saving_bytes'])} (L {layers}{r}) "

@@ -45,6 +45,8 @@ def model_config(args: argparse.Namespace):
     kw = {k: v for k, v in vars(args).items() if k in fields and v is not None}
     if megatron:
         kw.pop("tokens", None)  # seq_length x micro_batch_size
+        if "layers" not in kw:  # 4 per pipeline stage: a stage with fewer layers saves little
+            kw["layers"] = cls.layers * kw.get("pipeline_parallel", cls.pipeline_parallel)
     return cls(**kw)
 
 
@@ -106,6 +108,8 @@ def _check_jax_args(args: argparse.Namespace) -> str | None:
     given = [flag for name, flag in refused if getattr(args, name, None) not in (None, False)]
     if args.activation not in (None, "swiglu"):
         given.append("--activation")
+    if getattr(args, "grow_pool", None) is not None:
+        given.append("--grow-pool" if args.grow_pool else "--no-grow-pool")
     if given:
         return f"{', '.join(given)}: not available with --engine jax"
     if args.device == "cuda":

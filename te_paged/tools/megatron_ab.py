@@ -82,7 +82,7 @@ def quiet_megatron() -> None:
 class MegatronModelConfig(ModelConfig):
     """The ``ab --engine megatron`` model and run (defaults: about a minute, 4 CPU ranks)."""
 
-    layers: int = 4
+    layers: int = 4  # the command line's default: 4 per pipeline stage (ab_command.py)
     experts: int = 8
     hidden: int = 128
     ffn: int = 256
@@ -98,6 +98,7 @@ class MegatronModelConfig(ModelConfig):
     overlap_grad_reduce: bool = False
     layer_recompute: str | None = None  # "full" (every layer) or "moe" (the MoE layer)
     max_consecutive_fallbacks: int = 3  # the runner's runaway guard
+    per_rank_pools: bool = False  # the runner's per_rank_pools (tests: one rank's own pool)
     measure_memory: bool = True  # the peak of every step (torch's trackers; slow on CPU)
     steps: int = 3
 
@@ -275,7 +276,11 @@ def _build(cfg: MegatronModelConfig, paged: bool, ep: int, device: torch.device,
         OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.01, clip_grad=1.0), ddp
     )
     runner = MegatronPagedStashRunner(
-        ddp, optimizer, max_consecutive_fallbacks=cfg.max_consecutive_fallbacks
+        ddp,
+        optimizer,
+        max_consecutive_fallbacks=cfg.max_consecutive_fallbacks,
+        grow_pool=cfg.grow_pool,
+        per_rank_pools=cfg.per_rank_pools,
     )
     return ddp, optimizer, runner
 

@@ -44,6 +44,7 @@ class ModelConfig:
     steps: int = 3
     seed: int = 0
     skew: float = 0.0  # logits added to expert 0 on rank 0 (0 = none): forces over-budget
+    grow_pool: bool = True  # the runner's grow_pool (False: the pools as the factors size them)
     kernel_backend: str = "auto"
 
     def moe_config(self, ep_size: int, paged: bool) -> MoEConfig:

@@ -27,7 +27,7 @@ def test_without_logging_configured_a_fallback_warns_on_stderr_and_info_stays_qu
         cfg = ModelConfig(layers=2, experts=4, topk=2, hidden=16, ffn=32, tokens=24,
                           page_size=4, buffer_factor_cuda=0.3, steps=2)
         model = ToyMoEModel(cfg, paged=True, group=None)
-        runner = te_paged.PagedStashRunner(model, model.manager)
+        runner = te_paged.PagedStashRunner(model, model.manager, grow_pool=False)
         for step in range(2):
             x, target = make_batch(cfg, step, 0)
             record = runner.step(lambda: model(x, target).backward())[1]

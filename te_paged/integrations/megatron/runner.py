@@ -129,13 +129,14 @@ class MegatronPagedStashRunner(PagedStashRunner):
     """Megatron's step under the paged-stash runner; see the module docstring.
 
     ``MegatronPagedStashRunner(model, optimizer=None, config=None, *, forward_backward_func=None,
-    max_consecutive_fallbacks=3, grow_pool=False, measure_fallback_memory=False,
-    before_rerun=None, keep_records=1000, on_record=None, timeout=None, restorables=())``:
+    max_consecutive_fallbacks=3, grow_pool=True, grow_headroom=1.10, per_rank_pools=False,
+    max_pool_bytes=None, measure_fallback_memory=False, before_rerun=None, keep_records=1000,
+    on_record=None, timeout=None, restorables=())``:
     ``model`` is the list of model chunks (Megatron DDP wrappers, or bare modules) or one chunk;
     ``optimizer`` Megatron's optimizer (its gradients are zeroed before a rerun); ``config`` the
     model's ``TransformerConfig`` (default: the first chunk's). ``before_rerun`` runs after
-    everything above was restored and zeroed; ``records``, ``on_record``, ``timeout`` and
-    ``restorables`` as in :class:`PagedStashRunner`.
+    everything above was restored and zeroed; the pool sizing (``grow_pool`` and the rest),
+    ``records``, ``on_record``, ``timeout`` and ``restorables`` as in :class:`PagedStashRunner`.
     """
 
     def __init__(
@@ -146,7 +147,10 @@ class MegatronPagedStashRunner(PagedStashRunner):
         *,
         forward_backward_func: Callable[..., Any] | None = None,
         max_consecutive_fallbacks: int = 3,
-        grow_pool: bool = False,
+        grow_pool: bool = True,
+        grow_headroom: float = 1.10,
+        per_rank_pools: bool = False,
+        max_pool_bytes: int | None = None,
         measure_fallback_memory: bool = False,
         before_rerun: Callable[[], None] | None = None,
         keep_records: int = 1000,
@@ -160,6 +164,9 @@ class MegatronPagedStashRunner(PagedStashRunner):
             group=None,  # the whole world: all pipeline stages and expert groups rerun together
             max_consecutive_fallbacks=max_consecutive_fallbacks,
             grow_pool=grow_pool,
+            grow_headroom=grow_headroom,
+            per_rank_pools=per_rank_pools,
+            max_pool_bytes=max_pool_bytes,
             measure_fallback_memory=measure_fallback_memory,
             before_rerun=before_rerun,
             keep_records=keep_records,

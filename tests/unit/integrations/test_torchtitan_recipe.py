@@ -188,6 +188,7 @@ def run_recipe(
     steps: int = STEPS,
     buffer_factor: float = BUFFER_FACTOR,
     measure: int | None = None,
+    grow_pool: bool = True,
 ) -> list[Step]:
     """The recipe's experts, loaded from the reference's initial weights, driven by the page's
     ``build_paged_stash``/``train_step`` (and ``step_peak_bytes`` on step ``measure``).
@@ -201,6 +202,7 @@ def run_recipe(
     manager, runner = ns["build_paged_stash"](
         model, BALANCED, CPU, page_size=PAGE, buffer_factor=buffer_factor
     )
+    runner.grow_pool = grow_pool  # off: the pool stays at the factor's size, to overflow
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     outputs = record_outputs(model)
     to_reference = dict(zip(rename(state), state))  # the recipe's names -> the reference's
@@ -310,7 +312,7 @@ def test_without_markers_the_scope_stashes_nothing() -> None:
 def test_overflow_is_rerun_without_the_stash_and_stays_bitwise() -> None:
     """A pool at half the balanced pages overflows at the first paged step: the runner reruns
     it with the stash off, and the step's result is still the reference's."""
-    on = run_recipe(recipe()["GroupedExperts"], steps=2, buffer_factor=0.5)
+    on = run_recipe(recipe()["GroupedExperts"], steps=2, buffer_factor=0.5, grow_pool=False)
     assert_bitwise(on, run_reference(steps=2))
     capture, paged = on[0].record, on[1].record
     assert capture.attempt == 1 and capture.enabled

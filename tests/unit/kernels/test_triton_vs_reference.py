@@ -86,7 +86,7 @@ class Record:
         # Garbage, not zeros: copy must write the meta itself and leave unused page slots alone.
         slots = -(-max_rows // page_size)
         pages = torch.full((slots,), -7, dtype=torch.int32, device=device)
-        return cls(pages, torch.tensor([5, 3, 9], dtype=torch.int64, device=device), max_rows)
+        return cls(pages, torch.tensor([5, 3, 9, 4], dtype=torch.int64, device=device), max_rows)
 
 
 class Twin:
@@ -317,11 +317,12 @@ def test_overflow_when_device_full_and_no_host() -> None:
     twin = _single()
     src_RH = _bits(torch.int16, (6, 4), 0, twin.device)
     rec_a = twin.copy(src_RH, 4, 1)  # both pages
-    assert rec_a.meta.tolist() == [4, Tier.DEVICE, 0]
+    assert rec_a.meta.tolist() == [4, Tier.DEVICE, 0, 2]
     rec_b = twin.copy(src_RH, 1, 1)
-    assert rec_b.meta.tolist() == [0, Tier.NONE, 0]
+    assert rec_b.meta.tolist() == [0, Tier.NONE, 0, 1]  # asked for 1 page, got none
     assert twin.flags[1].tolist() == [1, 0, 0]
-    assert _state(twin) == [2, 2, 2, 0, 0, 0, 4, 0]
+    # ..., DEMANDED 3, RETURNED 0, DEMAND_HWM 3: the pool this step needed
+    assert _state(twin) == [2, 2, 2, 0, 0, 0, 4, 0, 3, 0, 3]
 
 
 def test_after_overflow_copies_and_pops_are_noops() -> None:
@@ -331,7 +332,7 @@ def test_after_overflow_copies_and_pops_are_noops() -> None:
     twin.copy(src_RH, 6, 1)  # needs 3 pages, 1 left: overflow
     before = {k: v.clone() for k, v in twin.pools[1][torch.int16].tensors().items()}
     rec = twin.copy(src_RH, 1, 1)  # would fit, but the step is already invalid
-    assert rec.meta.tolist() == [0, Tier.NONE, 0]
+    assert rec.meta.tolist() == [0, Tier.NONE, 0, 1]
     assert twin.flags[1].tolist() == [1, 0, 0]  # counted once, not per later stash
     untouched = twin.pop(0, 4, zero_padding=False, seed=5)  # stored before the overflow
     assert _same(untouched, _bits(torch.int16, (6, 4), 5, twin.device))
@@ -339,15 +340,41 @@ def test_after_overflow_copies_and_pops_are_noops() -> None:
     assert not zeroed.any()
     zeroed = twin.pop(0, 4, zero_padding=True, seed=5)  # the no-op stash after it
     assert not zeroed.any()
+    demand = [State.DEMANDED, State.RETURNED, State.DEMAND_HWM]  # these go on counting
     for name, old in before.items():
-        assert _same(old, getattr(twin.pools[1][torch.int16], name)), name
+        new = getattr(twin.pools[1][torch.int16], name)
+        if name == "state":
+            old, new = old.clone(), new.clone()
+            old[demand] = new[demand] = 0
+        assert _same(old, new), name
+
+
+def test_demand_counts_what_the_step_needed_through_an_overflow() -> None:
+    # A 2-page pool; the step stashes 2, 3 and 1 pages' worth and pops the first two. The
+    # second overflows, the third runs after the overflow (a no-op for the pool), yet DEMANDED,
+    # RETURNED and DEMAND_HWM follow every tensor as if the pool were unbounded: the peak is
+    # 2 + 3 + 1 = 6 pages, the size a runner grows the pool to.
+    twin = _single(dev_pages=2)
+    src_RH = _bits(torch.int16, (6, 4), 0, twin.device)
+    recs = [twin.copy(src_RH, 4, 1), twin.copy(src_RH, 6, 1), twin.copy(src_RH, 2, 1)]
+    assert [int(r[Meta.NEED]) for r in (rec.meta for rec in recs)] == [2, 3, 1]
+    state = _state(twin)
+    assert [state[State.DEMANDED], state[State.RETURNED], state[State.DEMAND_HWM]] == [6, 0, 6]
+    assert state[State.HWM] == 2  # what the pool held: no more than it has
+    twin.pop(0, 4, zero_padding=True, seed=1)  # stored
+    twin.pop(0, 4, zero_padding=True, seed=1)  # overflowed: its demand comes back all the same
+    state = _state(twin)
+    assert [state[State.DEMANDED], state[State.RETURNED], state[State.DEMAND_HWM]] == [6, 5, 6]
+    assert [int(rec.meta[Meta.NEED]) for rec in recs] == [0, 0, 1]  # returned once, cleared
+    twin.copy(src_RH, 2, 1)  # 1 + 1 outstanding: below the peak, which stays
+    assert _state(twin)[State.DEMAND_HWM] == 6
 
 
 def test_host_spill_then_pop_from_host() -> None:
     twin = _single(dev_pages=1, host_pages=3)
     src_RH = _bits(torch.int16, (5, 4), 0, twin.device)
     rec = twin.copy(src_RH, 3, 1)  # 2 pages > 1 free device page: host tier
-    assert rec.meta.tolist() == [3, Tier.HOST, 0]
+    assert rec.meta.tolist() == [3, Tier.HOST, 0, 2]
     assert twin.flags[1].tolist() == [0, 1, 0]
     state = _state(twin)
     assert state[State.HOST_HEAD] == 2 and state[State.HOST_HWM] == 2
@@ -381,7 +408,7 @@ def test_counts_the_buffer_cannot_hold_are_invalid(
 def test_zero_tokens_is_a_device_record_of_no_rows() -> None:
     twin = _single()
     rec = twin.copy(_bits(torch.int16, (3, 4), 0, twin.device), 0, 1)
-    assert rec.meta.tolist() == [0, Tier.DEVICE, 0] and rec.pages_M.tolist() == [-7, -7]
+    assert rec.meta.tolist() == [0, Tier.DEVICE, 0, 0] and rec.pages_M.tolist() == [-7, -7]
     twin.pop(0, 4, zero_padding=True, seed=1)
 
 
@@ -486,7 +513,7 @@ def test_wrappers_read_nothing_on_the_host(host_pages) -> None:
     # the device, 9 > 4 rows is invalid. Without: 3 tokens overflowed, after which nothing
     # counts.
     assert flags.tolist() == ([0, 1, 1] if host_pages else [1, 0, 0])
-    assert rec.meta.tolist() == [0, Tier.NONE, 0]
+    assert rec.meta.tolist() == [0, Tier.NONE, 0, 0]  # an invalid count asks for nothing
 
 
 def test_shape_errors_name_the_problem() -> None:

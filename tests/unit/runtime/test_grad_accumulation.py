@@ -48,9 +48,11 @@ def _step_fn(cfg, model, step: int, order):
     return fn
 
 
-def _train(paged: bool, order, buffer_factor: float = 1.2, steps: int = 3):
+def _train(paged: bool, order, buffer_factor: float = 1.2, steps: int = 3, grow_pool=True):
     cfg, model = _model(paged, buffer_factor)
-    runner = PagedStashRunner(model, model.manager, max_consecutive_fallbacks=steps)
+    runner = PagedStashRunner(
+        model, model.manager, max_consecutive_fallbacks=steps, grow_pool=grow_pool
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     out = []
     for step in range(steps):
@@ -79,11 +81,17 @@ def test_accumulated_microbatches_are_bitwise_and_paged(order) -> None:
     assert peak == {k: IN_FLIGHT[order] * v for k, v in per_mb.items()}, (peak, per_mb)
 
 
-def test_a_pool_for_fewer_microbatches_overflows_and_reruns_the_whole_step() -> None:
+@pytest.mark.parametrize("grow_pool", [False, True])
+def test_a_pool_for_fewer_microbatches_overflows_and_reruns_the_whole_step(grow_pool) -> None:
     order = ORDERS["all_forward_then_backward"]
-    on, _ = _train(True, order, buffer_factor=0.5)
+    on, _ = _train(True, order, buffer_factor=0.5, grow_pool=grow_pool)
     off, _ = _train(False, order)
-    assert [r.attempt for _, _, r in on] == [1, 2, 2]  # capture step, then overflow: rerun
+    # Kept at the factor's size, the pool overflows and reruns every step after the capture
+    # step; grown to what the capture step held x headroom, it holds every microbatch in
+    # flight from the start.
+    assert [r.attempt for _, _, r in on] == ([1, 1, 1] if grow_pool else [1, 2, 2])
+    if grow_pool:
+        assert {g["why"] for g in on[0][2].pool_growth.values()} == {"capture"}
     for (loss_on, grads_on, _), (loss_off, grads_off, _) in zip(on, off):
         assert torch.equal(loss_on, loss_off)
         assert all(torch.equal(a, b) for a, b in zip(grads_on, grads_off))

@@ -12,7 +12,12 @@ import torch
 from torch import nn
 
 from te_paged.moe import PagedStashParticipant, TEGroupedMLP
-from te_paged.runtime import FallbackLimitError, PagedStashRunner, StepDesyncError
+from te_paged.runtime import (
+    FallbackLimitError,
+    PagedStashRunner,
+    PoolLimitError,
+    StepDesyncError,
+)
 from te_paged.stash import PagedStashManager
 
 from ..moe.harness import ROWS, config
@@ -123,7 +128,7 @@ def _reference(step: int, **kw):
 
 def test_stash_overflow_reruns_dropless_and_matches_reference() -> None:
     model, manager = make({"moe_paged_stash_buffer_size_factor_cuda": 0.2})
-    runner = PagedStashRunner(model, manager)
+    runner = PagedStashRunner(model, manager, grow_pool=False)
     _, rec0 = runner.step(step_fn(model, 0))  # capture step: nothing paged for real yet
     assert rec0.attempt == 1
     model.zero_grad()
@@ -149,7 +154,7 @@ def test_over_budget_reruns_and_gradients_equal_the_dropless_reference() -> None
 def test_host_spill_needs_no_rerun() -> None:
     model, manager = make({"moe_paged_stash_buffer_size_factor_cuda": 0.2,
                            "moe_paged_stash_buffer_size_factor_cpu": 2.0})  # fmt: skip
-    runner = PagedStashRunner(model, manager)
+    runner = PagedStashRunner(model, manager, grow_pool=False)
     runner.step(step_fn(model, 0))
     model.zero_grad()
     _, rec = runner.step(step_fn(model, 1))
@@ -181,14 +186,83 @@ def test_a_good_step_resets_the_fallback_count() -> None:
     assert rec.attempt == 2
 
 
-def test_grow_pool_raises_the_buffer_factor_after_an_overflow() -> None:
-    model, manager = make({"moe_paged_stash_buffer_size_factor_cuda": 0.2})
-    runner = PagedStashRunner(model, manager, grow_pool=True)
+def capture_at_factor(runner: PagedStashRunner, model: nn.Module) -> None:
+    """The capture step with growth off, so the pools start at the factor (0.2: far too
+    small) rather than at the capture step's observed peak x headroom: the next step overflows."""
+    grow, runner.grow_pool = runner.grow_pool, False
     runner.step(step_fn(model, 0))
+    runner.grow_pool = grow
+
+
+@pytest.mark.parametrize("grow_pool", [True, False])
+def test_an_overflow_grows_the_pool_to_what_the_step_needed(grow_pool) -> None:
+    model, manager = make({"moe_paged_stash_buffer_size_factor_cuda": 0.2})
+    runner = PagedStashRunner(
+        model, manager, grow_pool=grow_pool, grow_headroom=1.0, max_consecutive_fallbacks=5
+    )
+    capture_at_factor(runner, model)
     _, rec = runner.step(step_fn(model, 1))
-    assert rec.attempt == 2 and manager.buffer_size_factor_cuda > 0.2
-    _, rec = runner.step(step_fn(model, 3))
+    assert rec.attempt == 2 and rec.stash_overflow_ranks == 1
+    demand = rec.pool_demand_pages
+    assert demand and all(v > rec.pool_pages[k] for k, v in demand.items())  # the pool was short
+    if not grow_pool:
+        assert rec.pool_growth == {}
+        _, rec = runner.step(step_fn(model, 1))  # the same step again: overflows again
+        assert rec.attempt == 2
+        return
+    for key, growth in rec.pool_growth.items():  # grow_headroom 1: exactly the need
+        assert growth == {
+            "from": rec.pool_pages[key], "to": demand[key], "needed": demand[key], "why": "overflow"
+        }  # fmt: skip
+    _, rec = runner.step(step_fn(model, 1))  # the very step that overflowed now fits
     assert rec.attempt == 1 and rec.stash_overflow_ranks == 0
+    assert rec.pool_pages == demand and rec.pool_growth == {}
+    stats = manager.stats()
+    assert stats.pages_demanded == stats.pages_high_water == demand  # exactly full
+
+
+@pytest.mark.parametrize("headroom", [1.1, 1.5, 100.0])
+def test_growth_adds_headroom_up_to_the_static_peak(headroom) -> None:
+    # A grown pool holds the need x grow_headroom, but never more than the capture step's
+    # static peak (every tensor at its full rows: a pool that large saves nothing).
+    model, manager = make({"moe_paged_stash_buffer_size_factor_cuda": 0.2})
+    runner = PagedStashRunner(model, manager, grow_headroom=headroom)
+    capture_at_factor(runner, model)
+    _, rec = runner.step(step_fn(model, 1))
+    assert rec.pool_growth.keys() == {str(k) for k in manager.keys}
+    capped = 0
+    for key in manager.keys:
+        need = rec.pool_demand_pages[str(key)]
+        static = manager.capture_peaks(key)[2]
+        assert rec.pool_growth[str(key)]["to"] == min(math.ceil(need * headroom), static)
+        capped += math.ceil(need * headroom) > static
+    assert bool(capped) == (headroom == 100.0)  # the ceiling did cap, and only there
+
+
+def test_max_pool_bytes_bounds_the_growth_and_refuses_a_step_that_needs_more() -> None:
+    model, manager = make({"moe_paged_stash_buffer_size_factor_cuda": 0.2})
+    runner = PagedStashRunner(model, manager, max_pool_bytes=10**9, grow_headroom=2.0)
+    capture_at_factor(runner, model)
+    page_bytes = {str(k): manager.page_size * k.hidden * 4 for k in manager.keys}  # float32
+    _, rec = runner.step(step_fn(model, 1))
+    need = rec.pool_demand_pages
+    need_bytes = sum(need[k] * page_bytes[k] for k in need)
+    manager.release()
+    manager._floors.clear()  # back to the 0.2 pool
+    runner.max_pool_bytes = need_bytes  # the need fits, its headroom does not
+    _, rec = runner.step(step_fn(model, 1))
+    assert {k: g["to"] for k, g in rec.pool_growth.items()} == need  # no headroom at the bound
+    manager.release()
+    manager._floors.clear()
+    runner.max_pool_bytes = need_bytes - 1  # the step itself needs more
+    with pytest.raises(PoolLimitError, match=r"needed .* MiB .*max_pool_bytes="):
+        runner.step(step_fn(model, 1))
+    with pytest.raises(ValueError, match="max_pool_bytes"):
+        PagedStashRunner(model, manager, max_pool_bytes=0)
+    with pytest.raises(TypeError, match="grow_pool"):
+        PagedStashRunner(model, manager, grow_pool="yes")
+    with pytest.raises(ValueError, match="grow_headroom"):
+        PagedStashRunner(model, manager, grow_headroom=0.9)
 
 
 def test_rejects_bad_arguments() -> None:
@@ -218,7 +292,7 @@ def _rerun_with_dropout(cause: str):
     expert); the model draws dropout masks in forward."""
     factor = 0.2 if cause == "overflow" else 1.1
     model, manager = make({"moe_paged_stash_buffer_size_factor_cuda": factor}, dropout=0.5)
-    runner = PagedStashRunner(model, manager)
+    runner = PagedStashRunner(model, manager, grow_pool=False)
     runner.step(step_fn(model, 0))
     model.zero_grad()
     model[1].dispatcher.force_over_budget = cause == "over_budget"
@@ -257,7 +331,7 @@ def test_before_rerun_runs_after_the_gradients_were_zeroed() -> None:
         seen.append([p.grad.abs().sum().item() for p in model.parameters()])
 
     model, manager = make({"moe_paged_stash_buffer_size_factor_cuda": 0.2})
-    runner = PagedStashRunner(model, manager, before_rerun=hook)
+    runner = PagedStashRunner(model, manager, grow_pool=False, before_rerun=hook)
     runner.step(step_fn(model, 0))
     assert seen == []  # no rerun, no call
     runner.step(step_fn(model, 1))
@@ -280,7 +354,7 @@ def _toy(buffer_factor: float = 1.1):
 
 def test_routing_profile_counts_each_kept_forward_once() -> None:
     cfg, model, seen, make_batch = _toy(buffer_factor=0.3)
-    runner = PagedStashRunner(model, model.manager, record_routing=True)
+    runner = PagedStashRunner(model, model.manager, grow_pool=False, record_routing=True)
     with pytest.raises(RuntimeError, match="no step"):
         runner.routing_profile()
     records = []

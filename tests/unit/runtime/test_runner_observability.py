@@ -13,7 +13,7 @@ import torch.distributed as dist
 from te_paged import telemetry
 from te_paged.runtime import FallbackLimitError, PagedStashRunner
 
-from .test_runner import make, step_fn
+from .test_runner import capture_at_factor, make, step_fn
 
 RUNNER = "te_paged.runtime.runner"
 
@@ -47,6 +47,7 @@ def test_stash_overflow_is_a_warning_with_ranks_and_factor_before_the_rerun(logs
     runner = PagedStashRunner(
         model,
         manager,
+        grow_pool=False,
         before_rerun=lambda: warned_before_rerun.append(len(_records(logs, level=logging.WARNING))),
     )
     runner.step(step_fn(model, 0))
@@ -83,7 +84,7 @@ def test_over_budget_warning_names_the_budget_and_the_capacity_factor(logs) -> N
 def test_host_spill_is_info_with_the_ranks_and_the_factor_that_fits(logs) -> None:
     model, manager = make({"moe_paged_stash_buffer_size_factor_cuda": 0.2,
                            "moe_paged_stash_buffer_size_factor_cpu": 2.0})  # fmt: skip
-    runner = PagedStashRunner(model, manager)
+    runner = PagedStashRunner(model, manager, grow_pool=False)
     runner.step(step_fn(model, 0))
     _, rec = runner.step(step_fn(model, 1))
     assert rec.host_spill_ranks == 1 and rec.attempt == 1
@@ -95,16 +96,18 @@ def test_host_spill_is_info_with_the_ranks_and_the_factor_that_fits(logs) -> Non
     assert "moe_paged_stash_buffer_size_factor_cuda >= 0.96 would keep them" in message
 
 
-def test_grow_pool_is_logged_at_info_with_old_and_new_factor(logs) -> None:
+def test_a_pool_growth_is_logged_at_info_with_old_and_new_pages(logs) -> None:
     model, manager = make({"moe_paged_stash_buffer_size_factor_cuda": 0.2})
-    runner = PagedStashRunner(model, manager, grow_pool=True)
-    runner.step(step_fn(model, 0))
+    runner = PagedStashRunner(model, manager)
+    capture_at_factor(runner, model)
     _, rec = runner.step(step_fn(model, 1))
-    (grow,) = [r for r in _records(logs, level=logging.INFO) if "grow_pool" in r.getMessage()]
-    new = rec.suggested_buffer_size_factor_cuda
-    assert f"from 0.2 to {new:g}" in grow.getMessage() and manager.buffer_size_factor_cuda == new
+    (grow,) = [r for r in _records(logs, level=logging.INFO) if "pools grow" in r.getMessage()]
+    assert rec.pool_growth
+    for key, growth in rec.pool_growth.items():
+        pages = f"{key} {growth['from']} -> {growth['to']} pages (needed {growth['needed']})"
+        assert pages in grow.getMessage()
     (warning,) = _records(logs, level=logging.WARNING)
-    assert "(grow_pool raises the pool factor)" in warning.getMessage()
+    assert "the pools grow to what this step needed (grow_pool)" in warning.getMessage()
 
 
 def test_guard_trip_is_reported_by_its_exception_only(logs) -> None:
@@ -163,11 +166,14 @@ def test_runner_marks_the_reduction_every_step_and_the_rerun_and_allocation(nvtx
     model, manager = make({"moe_paged_stash_buffer_size_factor_cuda": 0.2})
     for i, layer in enumerate(model):
         layer.experts.set_layer_number(i + 1)
-    runner = PagedStashRunner(model, manager, grow_pool=True)
+    runner = PagedStashRunner(model, manager)
     steps = []
     for step in range(3):  # capture; overflow and rerun; the grown pool allocated, no rerun
         start = len(nvtx_names)
-        runner.step(step_fn(model, step))
+        if step == 0:
+            capture_at_factor(runner, model)
+        else:
+            runner.step(step_fn(model, step))
         per_layer = ("te_paged.stash", "te_paged.pop")
         steps.append([n for n in nvtx_names[start:] if not n.startswith(per_layer)])
     assert steps == [

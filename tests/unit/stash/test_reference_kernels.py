@@ -80,6 +80,8 @@ def test_device_full_spills_to_host_then_overflows(make_harness) -> None:
     before = [t.clone() for t in h.buffer.kernel_args()]
     rc = h.stash(c, 1)
     assert h.tier(rc) is Tier.NONE and h.flags[Flag.OVERFLOW] == 1
+    # Nothing stored, nothing moved: only the demand counters saw its 1 page.
+    before[-1][[State.DEMANDED, State.DEMAND_HWM]] += 1
     assert all(torch.equal(p, q) for p, q in zip(before, h.buffer.kernel_args()))
 
 
@@ -99,12 +101,20 @@ def test_after_overflow_copies_and_pops_are_noops(make_harness) -> None:
     ra = h.stash(a, 4)
     h.stash(a, 1)  # no room: overflow
     assert h.flags[Flag.OVERFLOW] == 1
-    state = h.buffer.state.clone()
+    demand = [State.DEMANDED, State.RETURNED, State.DEMAND_HWM]  # these go on counting
+
+    def pool_state() -> torch.Tensor:
+        state = h.buffer.state.clone()
+        state[demand] = 0
+        return state
+
+    state = pool_state()
     rd = h.stash(a, 1)
-    assert h.tier(rd) is Tier.NONE and torch.equal(state, h.buffer.state)
+    assert h.tier(rd) is Tier.NONE and torch.equal(state, pool_state())
     out = h.pop(ra, a)
     assert not out.any()  # nothing read: all padding
-    assert torch.equal(state, h.buffer.state)  # pages not returned either
+    assert torch.equal(state, pool_state())  # pages not returned either
+    assert h.buffer.state[demand].tolist() == [4, 2, 4]  # 2 + 1 + 1 asked, A's 2 returned
 
 
 def test_more_tokens_than_the_static_buffer_is_invalid(make_harness) -> None:
