@@ -519,3 +519,63 @@ def test_a_stopped_rank_ends_the_run_naming_it_and_leaves_no_process() -> None:
     assert f"(pid {victim.pid}) is stopped, after OFF step" in err, err[-3000:]
     assert "Traceback" not in err and took < 60, (took, err[-3000:])
     assert not any(psutil.pid_exists(r.pid) and r.status() != "zombie" for r in ranks)
+
+
+def test_a_kernel_backend_the_device_cannot_run_is_refused_before_any_rank_starts() -> None:
+    # Triton on a CPU without its interpreter: before, the OFF pass ran first (a minute).
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "te_paged", "ab", "--kernel-backend", "triton", "--device", "cpu"],
+        capture_output=True, text=True, timeout=120, cwd=REPO_ROOT, check=False, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "--kernel-backend triton: " in proc.stderr and "TRITON_INTERPRET=1" in proc.stderr
+    assert "OFF step" not in proc.stderr  # no rank ran
+
+
+@pytest.mark.parametrize(
+    ("signals", "when"),
+    [(["SIGTERM"], "start"), (["SIGTERM"], "run"), (["SIGINT", "SIGINT"], "run")],
+    ids=["term-at-start", "term-mid-run", "int-twice"],  # SIGHUP: test_launch_signals.py
+)  # fmt: skip
+def test_a_signal_ends_every_rank_and_removes_the_temporary_files(tmp_path, signals, when):
+    # Before: SIGTERM while the ranks started left them running after the parent exited, and
+    # SIGTERM mid-run left the temporary directory behind.
+    import signal
+    import time
+
+    import psutil
+
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # where the run's directory goes
+    args = [*SMALL[:-4], "--steps", "1000", "--page-size", "8"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "te_paged", "ab", "--nproc", "2", *args],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    seen: set[int] = set()
+    try:
+        parent = psutil.Process(proc.pid)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            ranks = _rank_processes(parent)
+            seen |= {r.pid for r in ranks}
+            if (when == "start" and ranks) or len(ranks) == 2:
+                break
+            time.sleep(0.05)
+        assert seen, "no rank started"
+        if when == "run":
+            time.sleep(4)
+            seen |= {r.pid for r in _rank_processes(parent)}
+        for name in signals:
+            os.kill(proc.pid, getattr(signal, name))
+            time.sleep(0.2)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    signum = getattr(signal, signals[0])
+    assert proc.returncode == 128 + signum, err[-3000:]
+    assert f"interrupted by {signals[0]}: every rank ended" in err and "Traceback" not in err
+    time.sleep(0.5)
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in seen)
+    assert not list(tmp_path.glob("te_paged_ab_*")), list(tmp_path.iterdir())

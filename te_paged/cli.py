@@ -22,8 +22,10 @@ command line's values can be pasted as they are.
 default, takes CUDA when there is a GPU for every rank); under ``torchrun`` it uses the
 launcher's ranks instead. Exit status: 0, ON and OFF bitwise equal (or the command succeeded);
 1, ON and OFF differ; 2, a bad argument (one line, before any work: also an output that exists,
-unless ``--force``, or cannot be written); 3, the run failed (a rank errored, stalled or died:
-one line naming it; ``--traceback`` prints the traceback).
+unless ``--force``, or cannot be written, or is a symbolic link); 3, the run failed (a rank
+errored, stalled or died: one line naming it; ``--traceback`` prints the traceback); 128 + the
+signal's number after SIGINT (twice is fine), SIGTERM or SIGHUP, at any moment: every rank ended,
+the temporary directory removed, nothing written.
 """
 
 from __future__ import annotations

@@ -24,7 +24,10 @@ the rows past the stored ones. Where JAX differs:
   immutable value, so it cannot remember that it was popped): ``owner_P`` holds the stamp of the
   record that holds each page (``-1``: free), and a pop whose pages are not all stamped with its
   record's stamp counts ``INVALID`` and moves and frees nothing. A record of 0 rows holds no page;
-  popping it twice moves and frees nothing either, and is not counted.
+  popping it twice moves and frees nothing either, and is not counted. A record also carries its
+  pool's identity and generation: popped from another pool, after :func:`reset_pool`, or into a
+  buffer of fewer rows than it stored, it counts ``INVALID`` and moves and frees nothing (the
+  JAX runner raises on it). A token count must be an integer (a float is a ``TypeError``).
 * **Bits.** Every float32 bit pattern moves unchanged (NaN payloads, signalling NaNs, -0.0),
   and every bfloat16 one except NaN payloads: XLA's CPU backend moves 16-bit floats through
   float32 and canonicalises their NaNs (0x7f81 and 0x7fc1 both become 0x7fc0) in any copy it
@@ -49,6 +52,7 @@ leaves the pool as it is (the step is rerun without stashing).
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import jax
@@ -67,9 +71,15 @@ __all__ = [
     "stash",
 ]
 
-#: The JAX pool's one state slot past the shared layout: the stamp the next stash gives its
-#: record (see the module docstring: how a second pop is told).
+#: The JAX pool's state slots past the shared layout: the stamp the next stash gives its
+#: record (see the module docstring: how a second pop is told), the pool's identity (from
+#: make_pool) and its generation (reset_pool adds one). A record carries all three, and a pop
+#: from another pool or generation counts ``INVALID`` and moves and frees nothing.
 STAMP = STATE_LEN
+POOL_ID = STATE_LEN + 1
+GENERATION = STATE_LEN + 2
+_EXTRA = 3
+_POOL_IDS = itertools.count(1)
 
 #: float32 holds every integer up to this exactly: the limit of a float bookkeeping dtype.
 _FLOAT_EXACT = 2**24
@@ -105,8 +115,9 @@ class PagedPool(NamedTuple):
 
 class StashRecord(NamedTuple):
     """What :func:`pop` needs: the pages (``-1`` past the used slots), ``meta``
-    (``Meta.ROWS``, ``Meta.TIER``; ``Meta.POPPED`` stays 0, see the module docstring) and the
-    stamp its pages are owned under. All int32; small (``M + META_LEN + 1`` ints)."""
+    (``Meta.ROWS``, ``Meta.TIER``, ``Meta.NEED``; ``Meta.POPPED`` stays 0, see the module
+    docstring) and ``stamp``: the stamp its pages are owned under, the pool's identity and its
+    generation. All int32; small (``M + META_LEN + 3`` ints)."""
 
     pages_M: jax.Array
     meta: jax.Array
@@ -143,7 +154,11 @@ def make_pool(
         pool_NH=jnp.zeros((num_pages * page_size, hidden), dtype),
         free_P=jnp.arange(num_pages, dtype=book),
         owner_P=jnp.full((num_pages,), -1, book),
-        state=jnp.zeros((STATE_LEN + 1,), book).at[State.TAIL].set(num_pages),
+        state=jnp.zeros((STATE_LEN + _EXTRA,), book)
+        .at[State.TAIL]
+        .set(num_pages)
+        .at[POOL_ID]
+        .set(next(_POOL_IDS) % _FLOAT_EXACT),
         flags=jnp.zeros((FLAGS_LEN,), book),
     )
 
@@ -157,7 +172,13 @@ def reset_pool(pool: PagedPool) -> PagedPool:
         pool_NH=pool.pool_NH,
         free_P=jnp.arange(p, dtype=book),
         owner_P=jnp.full((p,), -1, book),
-        state=jnp.zeros_like(pool.state).at[State.TAIL].set(p),
+        state=jnp.zeros_like(pool.state)
+        .at[State.TAIL]
+        .set(p)
+        .at[POOL_ID]
+        .set(pool.state[POOL_ID])
+        .at[GENERATION]
+        .set((pool.state[GENERATION] + 1) % _FLOAT_EXACT),
         flags=jnp.zeros_like(pool.flags),
     )
 
@@ -191,6 +212,11 @@ def stash(
         )
     if src_RH.dtype != pool.pool_NH.dtype:
         raise TypeError(f"src_RH is {src_RH.dtype}, the pool holds {pool.pool_NH.dtype}")
+    if not jnp.issubdtype(jnp.result_type(num_tokens), jnp.integer):
+        raise TypeError(
+            f"num_tokens must be an integer count, got {jnp.result_type(num_tokens)}: a float "
+            "would be truncated (the torch manager refuses it too)"
+        )
     r_static, n_pool = src_RH.shape[0], pool.pool_NH.shape[0]
     p, s = pool.num_pages, pool.page_size
     m = -(-r_static // s)
@@ -206,6 +232,7 @@ def stash(
     in_budget = (n >= 0) & (n <= r_static * tokens_per_row)
     ok = ~was_over & in_budget & (need <= tail - head)
     stamp = st[STAMP]
+    whose = jnp.stack([stamp, st[POOL_ID], st[GENERATION]])  # the record's owner: see pop
 
     slot_M = jnp.arange(m, dtype=jnp.int32)
     take_M = ok & (slot_M < need)
@@ -235,7 +262,7 @@ def stash(
     meta = meta.at[Meta.ROWS].set(jnp.where(ok, rows, 0))
     meta = meta.at[Meta.TIER].set(jnp.where(ok, int(Tier.DEVICE), int(Tier.NONE)))
     new = PagedPool(pool_NH, pool.free_P, owner, st.astype(book), fl.astype(book))
-    return new, StashRecord(pages_M, meta, stamp)
+    return new, StashRecord(pages_M, meta, whose)
 
 
 def pop(pool: PagedPool, record: StashRecord, rows: int) -> tuple[PagedPool, jax.Array]:
@@ -263,8 +290,14 @@ def pop(pool: PagedPool, record: StashRecord, rows: int) -> tuple[PagedPool, jax
     slot_M = jnp.arange(m, dtype=jnp.int32)
     used_M = slot_M < need
     page_M = jnp.clip(record.pages_M, 0, p - 1)
-    owned = jnp.all(jnp.where(used_M, owner[page_M] == record.stamp, True))
-    ok = (fl[Flag.OVERFLOW] == 0) & stored & owned
+    stamp = record.stamp.reshape(-1)
+    if stamp.shape != (3,):
+        raise TypeError("record is not a StashRecord of this te_paged.jax (stamp of 3 ints)")
+    # This pool and this generation (not popped after reset_pool, nor from another pool), and
+    # no more rows than the buffer it pops into holds: else INVALID, nothing read or freed.
+    mine = (stamp[1] == st[POOL_ID]) & (stamp[2] == st[GENERATION]) & (stored_rows <= rows)
+    owned = jnp.all(jnp.where(used_M, owner[page_M] == stamp[0], True))
+    ok = (fl[Flag.OVERFLOW] == 0) & stored & owned & mine
 
     r_R = jnp.arange(rows, dtype=jnp.int32)
     valid_R = ok & (r_R < stored_rows)
@@ -281,6 +314,6 @@ def pop(pool: PagedPool, record: StashRecord, rows: int) -> tuple[PagedPool, jax
     # The demand comes back, stored or not; a stored record whose pages it no longer owns (a
     # second pop) gives back nothing. (A record is immutable here, so a second pop of one that
     # was never stored returns its demand again: the figure only over-states the peak then.)
-    st = st.at[State.RETURNED].add(jnp.where(~stored | owned, record.meta[Meta.NEED], 0))
-    fl = fl.at[Flag.INVALID].add((stored & ~owned).astype(jnp.int32))
+    st = st.at[State.RETURNED].add(jnp.where(mine & (~stored | owned), record.meta[Meta.NEED], 0))
+    fl = fl.at[Flag.INVALID].add(((stored & ~owned) | ~mine).astype(jnp.int32))
     return PagedPool(pool.pool_NH, free, owner_P, st.astype(book), fl.astype(book)), dst_RH

@@ -289,7 +289,11 @@ class StaticBudgetDispatcher(nn.Module):
         return int(peak)
 
     def dispatch(
-        self, x_NH: torch.Tensor, probs_NK: torch.Tensor, indices_NK: torch.Tensor
+        self,
+        x_NH: torch.Tensor,
+        probs_NK: torch.Tensor,
+        indices_NK: torch.Tensor,
+        routed_NK: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DispatchHandle]:
         """Send every (token, k) assignment to its expert's rank; group rows by local expert.
 
@@ -298,8 +302,21 @@ class StaticBudgetDispatcher(nn.Module):
         (static mode: ``T = max_num_tokens``, padding rows zero with zero probability),
         ``tokens_per_expert`` int64 ``[L]`` on the device, the probabilities ``[T]`` and the
         handle for :meth:`combine`.
+
+        ``routed_NK`` (bool, default all True) marks the assignments that exist: a token routed
+        to fewer than ``moe_router_topk`` experts (Megatron's routing map allows it) has the
+        rest False. Those are not sent, use no budget, are neither dropped nor invalid, and
+        contribute exact zeros to :meth:`combine` (not ``0 × expert output``, which is NaN where
+        the output is).
         """
         self._check_inputs(x_NH, probs_NK, indices_NK)
+        if routed_NK is not None and (
+            routed_NK.dtype != torch.bool or routed_NK.shape != indices_NK.shape
+        ):
+            raise ValueError(
+                f"routed must be a bool tensor shaped like indices {list(indices_NK.shape)}, "
+                f"got {routed_NK.dtype} {list(routed_NK.shape)}"
+            )
         n, k = indices_NK.shape
         hidden, p, local = x_NH.shape[1], self.ep_size, self.num_local_experts
         a, dev = n * k, x_NH.device
@@ -307,13 +324,17 @@ class StaticBudgetDispatcher(nn.Module):
         # An expert id out of range is an error the host cannot see without a sync: count it
         # (the runner refuses the step) and drop the assignment, so nothing reads out of bounds.
         bad_A = (idx_A < 0) | (idx_A >= self.config.num_moe_experts)
+        skip_A = None if routed_NK is None else ~routed_NK.reshape(a)
+        if skip_A is not None:  # no such assignment: neither invalid nor sent
+            bad_A = bad_A & ~skip_A
         self.invalid_indices.add_(bad_A.any().to(torch.int64))
-        idx_A = idx_A.masked_fill(bad_A, 0)
+        unsent_A = bad_A if skip_A is None else bad_A | skip_A
+        idx_A = idx_A.masked_fill(unsent_A, 0)
         dest_A = torch.div(idx_A, local, rounding_mode="floor")
         local_A = idx_A - dest_A * local
         # Position of each assignment among this rank's assignments to the same destination,
         # in (n, k) order. e.g. P=2, dest = [1, 0, 1, 1] → position [0, 0, 1, 2].
-        hit_AP = (dest_A.unsqueeze(1) == torch.arange(p, device=dev)) & ~bad_A.unsqueeze(1)
+        hit_AP = (dest_A.unsqueeze(1) == torch.arange(p, device=dev)) & ~unsent_A.unsqueeze(1)
         hit_AP = hit_AP.to(torch.int64)
         cum_AP = hit_AP.cumsum(0)
         pos_A = cum_AP.gather(1, dest_A.unsqueeze(1)).squeeze(1) - 1
@@ -329,10 +350,10 @@ class StaticBudgetDispatcher(nn.Module):
             self.pair_capacity = cap
         self.last_num_tokens = n
         rows = p * cap
-        keep_A = (pos_A < cap) & ~bad_A
+        keep_A = (pos_A < cap) & ~unsent_A
         slot_A = torch.where(keep_A, dest_A * cap + pos_A, rows)
         if not dropless:
-            dropped = a - keep_A.sum() - bad_A.sum()  # invalid ones are counted apart
+            dropped = a - keep_A.sum() - unsent_A.sum()  # invalid ones are counted apart
             self.dropped_tokens.add_(dropped)
             self.over_budget.add_((dropped > 0).to(torch.int64))
         torch.maximum(self.peak_pair_tokens, demand_P.max(), out=self.peak_pair_tokens)

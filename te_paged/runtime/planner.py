@@ -69,6 +69,16 @@ class RoutingProfile:
     tokens_by_source: list[list[list[list[int]]]] | None = None  # [step][layer][source][expert]
 
     def __post_init__(self) -> None:
+        for name in ("num_experts", "ep_size", "top_k", "tokens_per_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k={self.top_k} is more than num_experts={self.num_experts}")
+        if self.tokens is not None:
+            _check_counts("tokens", self.tokens, 3)
+        if self.tokens_by_source is not None:
+            _check_counts("tokens_by_source", self.tokens_by_source, 4)
         if self.num_experts % self.ep_size:
             raise ValueError(
                 f"num_experts={self.num_experts} is not divisible by ep_size={self.ep_size}"
@@ -142,8 +152,11 @@ class RoutingProfile:
             )
         return needs
 
+    def to_json_text(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
     def to_json(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(dataclasses.asdict(self)))
+        Path(path).write_text(self.to_json_text())
 
     @classmethod
     def load(cls, path: str | Path) -> RoutingProfile:
@@ -152,7 +165,17 @@ class RoutingProfile:
         split by source rank, ``step,layer,source,expert,tokens``."""
         path = Path(path)
         if path.suffix == ".json":
-            return cls(**json.loads(path.read_text()))
+            try:
+                data = json.loads(path.read_text(), parse_constant=_no_constant)
+            except RecursionError:
+                raise ValueError("nested too deeply to be a routing profile") from None
+            if not isinstance(data, dict):
+                raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+            fields = {f.name for f in dataclasses.fields(cls)}
+            unknown = sorted(set(data) - fields)
+            if unknown:
+                raise ValueError(f"unknown field(s) {unknown}; a profile has {sorted(fields)}")
+            return cls(**data)
         if path.suffix != ".csv":
             raise ValueError(f"routing profile must be .json or .csv, got {path.name}")
         lines = path.read_text().splitlines()
@@ -177,6 +200,43 @@ class RoutingProfile:
         if by_source:
             return cls(tokens_by_source=tokens, **meta)
         return cls(tokens=[[layer[0] for layer in step] for step in tokens], **meta)
+
+
+_MAX_COUNT = 2**53  # tokens routed to one expert in one step: past this, not a count
+
+
+def _no_constant(constant: str) -> None:
+    raise ValueError(f"{constant} is not a token count")
+
+
+def _check_counts(name: str, rows: object, depth: int) -> None:
+    """``rows`` nested ``depth`` lists deep (steps, layers[, sources], experts) of counts:
+    every level a non-empty list, every count an integer in [0, 2**53). Raises naming the
+    field and the index of the first bad entry."""
+
+    names = (
+        ("steps", "layers", "source ranks", "experts")
+        if depth == 4
+        else ("steps", "layers", "experts")
+    )
+
+    def walk(value: object, where: str, level: int) -> None:
+        if level == depth:
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{where} must be an integer token count, got {value!r}")
+            if not 0 <= value < _MAX_COUNT:
+                raise ValueError(f"{where} must be in [0, 2**53), got {value}")
+            return
+        if not isinstance(value, list) or not value:
+            what = names[level]
+            raise ValueError(f"{where} must be a non-empty list of {what}, got {value!r:.60}")
+        for i, item in enumerate(value):
+            walk(item, f"{where}[{i}]", level + 1)
+
+    walk(rows, name, 0)
+    layers = {len(step) for step in rows}  # type: ignore[union-attr]
+    if len(layers) > 1:
+        raise ValueError(f"{name}: the steps have different numbers of layers {sorted(layers)}")
 
 
 def _quantile(values: Sequence[float], q: float) -> float:

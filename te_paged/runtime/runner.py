@@ -246,10 +246,7 @@ class PagedStashRunner:
         if timeout is not None and not isinstance(timeout, datetime.timedelta):
             raise TypeError(f"timeout must be a datetime.timedelta, got {timeout!r}")
         self.timeout = timeout
-        if max_consecutive_fallbacks < 1:
-            raise ValueError(
-                f"max_consecutive_fallbacks must be >= 1, got {max_consecutive_fallbacks}"
-            )
+        require_int("max_consecutive_fallbacks", max_consecutive_fallbacks, minimum=1)
         self.model = model
         self.chunks = [model] if isinstance(model, nn.Module) else list(model)
         #: What a rerun puts back besides generators: buffers, FP8 metas, ``restorables`` and

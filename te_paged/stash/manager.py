@@ -75,6 +75,9 @@ logger = logging.getLogger(__name__)
 _MIB = 2**20
 
 
+_MAX_PAGE_SIZE = 2**31 - 1
+
+
 def _current_device() -> torch.device:
     """Where the model computes by default: CUDA's current device when CUDA is available (this
     initialises CUDA, so it is called at construction, never at import), else the CPU."""
@@ -98,6 +101,7 @@ class _Peak:
     peak_balanced: int = 0
     live_balanced_pages: int = 0
     peak_balanced_pages: int = 0
+    max_rows: int = 0  # the largest static buffer (rows) of any tensor of the key
     live_static_pages: int = 0  # each live tensor's static rows (its whole buffer) in pages
     peak_static_pages: int = 0  # a pool this large saves nothing over not stashing
 
@@ -215,6 +219,11 @@ class PagedStashManager:
         pool_group: dist.ProcessGroup | None = None,
     ) -> None:
         page_size = require_int("page_size", page_size, minimum=1)
+        if page_size > _MAX_PAGE_SIZE:
+            raise ValueError(
+                f"page_size={page_size} rows: a page holds at most {_MAX_PAGE_SIZE} rows (the "
+                "kernels address a page's rows with 32-bit offsets); the usual is 64"
+            )
         # Megatron's sign convention: > 0 sizes from the balanced peak, < 0 from the observed one
         # (te_paged/stash/sizing.py); 0 device pages: every stash would spill or overflow.
         buffer_size_factor_cuda = check_factor(
@@ -460,13 +469,36 @@ class PagedStashManager:
         with nvtx_range("te_paged.allocate"):
             sizes = {k: self.pool_pages_for(k) for k in self._peaks if k not in self.buffers}
             sizes = self._agree(sizes)
+            if self._allocations == 0:
+                self._warn_page_size()
             for key, (dev, host) in sizes.items():
-                buffer = PagedStashBuffer(key, dev, self.page_size, self.device, host)
+                try:
+                    buffer = PagedStashBuffer(key, dev, self.page_size, self.device, host)
+                except (RuntimeError, MemoryError) as e:
+                    width = key.hidden * torch.empty((), dtype=key.dtype).element_size()
+                    raise RuntimeError(
+                        f"could not allocate the {key} pool: {dev} device (+ {host} host) pages "
+                        f"x page_size={self.page_size} rows x {width} bytes a row = "
+                        f"{(dev + host) * self.page_size * width / 2**30:.2f} GiB ({e})"
+                    ) from e
                 self.buffers[key] = buffer
                 new.append(buffer)
         self._allocations += 1
         if logger.isEnabledFor(logging.INFO):
             self._log_allocation(new)
+
+    def _warn_page_size(self) -> None:
+        """A page larger than every saved tensor's buffer: each tensor takes one mostly empty
+        page, and the pool is mostly padding (e.g. page_size=2**20 for 16-row buffers)."""
+        largest = max((p.max_rows for p in self._peaks.values()), default=0)
+        if 0 < largest < self.page_size:
+            warnings.warn(
+                f"page_size={self.page_size} rows, but no saved tensor has more than {largest} "
+                f"rows: every tensor takes a page at least {self.page_size // largest}x its "
+                "size, so the pool is mostly empty; choose a page_size well below the expert "
+                "buffers' rows (the usual is 64)",
+                stacklevel=3,
+            )
 
     def _agree(self, sizes: dict[StashKey, tuple[int, int]]) -> dict[StashKey, tuple[int, int]]:
         """With a ``pool_group``, the group's largest (device, host) pages per key: one
@@ -754,6 +786,7 @@ class PagedStashManager:
         peak.peak_balanced_pages = max(peak.peak_balanced_pages, peak.live_balanced_pages)
         peak.live_static_pages += -(-max_rows // self.page_size)
         peak.peak_static_pages = max(peak.peak_static_pages, peak.live_static_pages)
+        peak.max_rows = max(peak.max_rows, max_rows)
         handle = _Captured(
             key=key,
             max_rows=max_rows,

@@ -15,8 +15,8 @@ import os
 import socket
 import sys
 
-from te_paged.tools.argtypes import check_output
-from te_paged.tools.launch import RankFailure, RankWatchdog, spawn_ranks
+from te_paged.tools.argtypes import check_output, open_output
+from te_paged.tools.launch import Interrupted, RankFailure, RankWatchdog, spawn_ranks
 
 __all__ = ["check_ab_args", "model_config", "run_ab_command"]
 
@@ -191,6 +191,15 @@ def check_ab_args(args: argparse.Namespace) -> str | None:
             return "--device cuda but CUDA is not available here"
         if torch.cuda.device_count() < world and not _world(args)[1]:
             return f"--nproc {world} needs {world} GPUs, {torch.cuda.device_count()} found"
+    if cfg.kernel_backend != "auto":  # the kernels must run on this device: fail now, not later
+        import torch
+
+        from te_paged.kernels import resolve_backend
+
+        try:
+            resolve_backend(cfg.kernel_backend, torch.device(args.device))
+        except ValueError as e:
+            return f"--kernel-backend {cfg.kernel_backend}: {e}"
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         return "--plot needs matplotlib: pip install 'te_paged[plot]'"
     try:
@@ -298,13 +307,16 @@ def _write_outputs(args: argparse.Namespace, result) -> None:
         from te_paged.tools.run_record import build_record, dumps
 
         # The process's own command line (under torchrun: the worker's, without torchrun's).
-        args.json.write_text(dumps(build_record(result, args.engine, sys.argv)))
+        with open_output("--json", args.json, args.force) as f:
+            f.write(dumps(build_record(result, args.engine, sys.argv)))
     if args.plot:
         from te_paged.tools.plot import plot_ab
 
-        plot_ab(result, args.plot)
+        with open_output("--plot", args.plot, args.force, "wb") as f:
+            plot_ab(result, f, fmt=args.plot.suffix.lstrip(".") or "png")
     if args.record_profile:
-        result.ranks[0].routing.to_json(args.record_profile)
+        with open_output("--record-profile", args.record_profile, args.force) as f:
+            f.write(result.ranks[0].routing.to_json_text())
 
 
 def _run_jax(args: argparse.Namespace):
@@ -345,6 +357,13 @@ def run_ab_command(args: argparse.Namespace) -> int:
         except RankFailure as e:
             print(f"te-paged ab: error: {e}", file=sys.stderr)
             return 3
+        except Interrupted as e:
+            import signal
+
+            for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # leaving: no more
+                signal.signal(signum, signal.SIG_IGN)
+            print(f"te-paged ab: {e}: every rank ended, nothing written", file=sys.stderr)
+            return 128 + e.signum
     if args.engine == "megatron":
         from te_paged.integrations.megatron.releases import installed_version
 

@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["OneLineParser", "check_output", "integer", "real"]
+__all__ = ["OneLineParser", "check_output", "integer", "open_output", "real"]
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -77,6 +77,11 @@ def check_output(flag: str, path: Path | None, force: bool, *, directory: bool =
         if not probe.is_dir() or not os.access(probe, os.W_OK):
             raise ValueError(f"{flag} {path}: {probe} is not a writable directory")
         return
+    if path.is_symlink():  # lstat: a link (dangling or not) is never followed
+        raise ValueError(
+            f"{flag} {path}: is a symbolic link; give the path of the file itself (te-paged "
+            "writes only through a path that is not a link)"
+        )
     if path.is_dir():
         raise ValueError(f"{flag} {path}: is a directory, not a file")
     parent = path.parent if str(path.parent) else Path(".")
@@ -92,3 +97,19 @@ def fail(prog: str, message: str, status: int = 2) -> int:
     """Print ``prog: error: message`` as one line; return ``status``."""
     print(f"{prog}: error: {message}", file=sys.stderr)
     return status
+
+
+def open_output(flag: str, path: Path, force: bool, mode: str = "w"):
+    """Open ``path`` to write, never through a symbolic link (``O_NOFOLLOW``: a link put there
+    after :func:`check_output` ran is refused too) and, without ``force``, only if it does not
+    exist yet (``O_EXCL``). Raises ``ValueError`` naming ``flag``."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_TRUNC if force else os.O_EXCL)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except FileExistsError:
+        raise ValueError(f"{flag} {path}: exists; pass --force to overwrite it") from None
+    except OSError as e:
+        if path.is_symlink():
+            raise ValueError(f"{flag} {path}: is a symbolic link; not written through") from None
+        raise ValueError(f"{flag} {path}: cannot be written ({e.strerror})") from None
+    return os.fdopen(fd, mode)

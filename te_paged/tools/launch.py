@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RankFailure", "RankWatchdog", "spawn_ranks"]
+__all__ = ["Interrupted", "RankFailure", "RankWatchdog", "spawn_ranks"]
 
 RESULT = "result.pkl"
 _POLL_S = 0.2
@@ -36,6 +36,56 @@ _POLL_S = 0.2
 
 class RankFailure(RuntimeError):
     """A rank failed, stalled or died; the message names it and what it last finished."""
+
+
+class Interrupted(Exception):
+    """The parent got SIGINT, SIGTERM or SIGHUP: every rank was ended and the temporary
+    directory removed before this was raised."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class _Signals:
+    """The parent's handlers while ranks run. A signal that comes while the ranks are being
+    started is held (raising then would lose the processes already started) and acted on once
+    they are; one that comes while they run raises :class:`Interrupted` at once; any that come
+    during the clean-up (a second Ctrl-C) are ignored, so the clean-up always finishes."""
+
+    def __init__(self) -> None:
+        self.pending: int | None = None
+        self.raising = False
+        self.saved: dict[int, Any] = {}
+
+    def __enter__(self) -> _Signals:
+        if threading.current_thread() is threading.main_thread():  # handlers: main thread only
+            for signum in _SIGNALS:
+                self.saved[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.pending is None:
+            self.pending = signum
+        if self.raising:
+            self.raising = False  # the clean-up runs with no more raises
+            raise Interrupted(signum)
+
+    def arm(self) -> None:
+        """The ranks are started: raise now for a held signal, and at once from here on."""
+        if self.pending is not None:
+            raise Interrupted(self.pending)
+        self.raising = True
+
+    def disarm(self) -> None:
+        self.raising = False
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self.saved.items():
+            signal.signal(signum, handler)
 
 
 class RankWatchdog:
@@ -174,35 +224,44 @@ def spawn_ranks(
     import torch.multiprocessing as mp
 
     directory = tempfile.mkdtemp(prefix="te_paged_ab_")  # 0700, a name no one can predict
-    try:
-        ctx = mp.start_processes(
-            _entry,
-            args=(target, nproc, directory, timeout_s, tracebacks, *args),
-            nprocs=nproc,
-            join=False,
-            start_method="spawn",
-        )
-        procs = ctx.processes
-        # The parent's own limit, for ranks that cannot even run their watchdog (stopped).
-        grace = timeout_s * 1.5 + 30
-        seen: dict[int, str] = {}
-        stamp = time.monotonic()
-        while True:
-            if all(p.exitcode == 0 for p in procs):
-                break
-            beats = _heartbeats(Path(directory), nproc)
-            now = {r: b.get("last", "") for r, b in beats.items()}
-            if now != seen:
-                seen, stamp = now, time.monotonic()
-            failed = any(p.exitcode not in (None, 0) for p in procs)
-            if failed or time.monotonic() - stamp > grace:
-                message = _diagnose(procs, beats, timeout_s)
-                _kill(procs)
-                raise RankFailure(message)
-            time.sleep(_POLL_S)
-        for proc in procs:
-            proc.join()
-        with open(Path(directory) / RESULT, "rb") as f:
-            return pickle.load(f)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+    procs: list = []
+    with _Signals() as signals:
+        try:
+            ctx = mp.start_processes(
+                _entry,
+                args=(target, nproc, directory, timeout_s, tracebacks, *args),
+                nprocs=nproc,
+                join=False,
+                start_method="spawn",
+            )
+            procs = ctx.processes
+            signals.arm()
+            return _poll_ranks(procs, directory, timeout_s)
+        except BaseException:
+            signals.disarm()
+            _kill(procs)
+            raise
+        finally:
+            signals.disarm()
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def _poll_ranks(procs: list, directory: str, timeout_s: float) -> Any:
+    """Poll the ranks until all finished (rank 0's result) or one failed (RankFailure)."""
+    # The parent's own limit, for ranks that cannot even run their watchdog (stopped).
+    grace = timeout_s * 1.5 + 30
+    seen: dict[int, str] = {}
+    stamp = time.monotonic()
+    while not all(p.exitcode == 0 for p in procs):
+        beats = _heartbeats(Path(directory), len(procs))
+        now = {r: b.get("last", "") for r, b in beats.items()}
+        if now != seen:
+            seen, stamp = now, time.monotonic()
+        failed = any(p.exitcode not in (None, 0) for p in procs)
+        if failed or time.monotonic() - stamp > grace:
+            raise RankFailure(_diagnose(procs, beats, timeout_s))
+        time.sleep(_POLL_S)
+    for proc in procs:
+        proc.join()
+    with open(Path(directory) / RESULT, "rb") as f:
+        return pickle.load(f)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import BinaryIO
 
 __all__ = ["plot_ab"]
 
 
-def plot_ab(result, path: str | Path) -> None:
+def plot_ab(result, path: str | Path | BinaryIO, fmt: str | None = None) -> None:
     """Write a PNG: pages in use per pool over rank 0's last ON step (stash/pop events), and
     each rank's peak memory ON (with the pool) vs OFF."""
     try:
@@ -44,5 +45,5 @@ def plot_ab(result, path: str | Path) -> None:
     mem.set_xticks(ranks)
     mem.legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, format=fmt)
     plt.close(fig)

@@ -78,16 +78,18 @@ def topk_from_routing_map(
     routing_map_NE: torch.Tensor, probs_NE: torch.Tensor, topk: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(probs_NK, indices_NK)``: each token's routed experts in ascending order, and their
-    probabilities (differentiable; zero where a token has fewer than ``topk`` routes).
+    probabilities (differentiable). Where a token has fewer than ``topk`` routes the rest are
+    index ``-1``, probability 0: the dispatcher sends nothing for them (``routed_NK``).
 
-    Example: ``routing_map = [[F, T, F, T]]``, K = 2 → indices ``[[1, 3]]``.
+    Example: ``routing_map = [[F, T, F, T]]``, K = 2 → indices ``[[1, 3]]``; ``[[F, T, F, F]]``
+    → ``[[1, -1]]``.
     """
     # A stable sort of "not routed" puts the routed experts first, in expert order.
     order_NE = torch.sort((~routing_map_NE).to(torch.uint8), dim=1, stable=True).indices
     indices_NK = order_NE[:, :topk]
     routed_NK = routing_map_NE.gather(1, indices_NK)
     probs_NK = probs_NE.gather(1, indices_NK) * routed_NK.to(probs_NE.dtype)
-    return probs_NK, indices_NK
+    return probs_NK, indices_NK.masked_fill(~routed_NK, -1)
 
 
 class StaticBudgetTokenDispatcher:
@@ -173,7 +175,7 @@ class StaticBudgetTokenDispatcher:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         probs_NK, indices_NK = probs
         permuted_TH, tokens_per_expert, probs_T, handle = self.budget.dispatch(
-            hidden_states, probs_NK, indices_NK
+            hidden_states, probs_NK, indices_NK, routed_NK=indices_NK >= 0
         )
         self._handle, self._tokens_per_expert = handle, tokens_per_expert
         return permuted_TH, probs_T

@@ -82,6 +82,25 @@ class MegatronTEGroupedMLP(TEGroupedMLP):
         )
 
 
+def _check_manager(cfg: object, manager: object) -> None:
+    """A ``manager=`` that the config would not use, or that contradicts it, is refused."""
+    if manager is None:
+        return
+    if not isinstance(manager, PagedStashManager):
+        raise TypeError(f"manager must be a PagedStashManager, got {type(manager).__name__}")
+    if not cfg.moe_paged_stash:
+        raise ValueError(
+            "manager= was given but moe_paged_stash is off (on the config and in the "
+            "overrides): the layers would never use it; turn moe_paged_stash on or drop manager="
+        )
+    if manager.page_size != cfg.moe_paged_stash_page_size:
+        raise ValueError(
+            f"manager= pages {manager.page_size} rows but moe_paged_stash_page_size is "
+            f"{cfg.moe_paged_stash_page_size}: build the manager with "
+            "PagedStashManager.from_config(config), or give both the same page size"
+        )
+
+
 def get_te_paged_experts_spec(
     config: object,
     *,
@@ -99,6 +118,7 @@ def get_te_paged_experts_spec(
     """
     mc = import_megatron()
     cfg = megatron_moe_config(config, **overrides)
+    _check_manager(cfg, manager)
     if cfg.moe_paged_stash and manager is None:
         manager = PagedStashManager.from_config(cfg, device or compute_device())
     params = {"manager": manager, "device": device, "overrides": dict(overrides)}

@@ -52,6 +52,33 @@ __all__ = ["MegatronPagedStashRunner"]
 _REQUIRED = ("forward_step_func", "data_iterator", "model", "num_microbatches")
 
 
+def _check_arguments(model: object, optimizer: object, config: object) -> None:
+    """Arguments in the wrong order or of the wrong kind, refused when the runner is built
+    (before: accepted, then an AttributeError at the first rerun)."""
+    chunks = [model] if isinstance(model, nn.Module) else model
+    if not isinstance(chunks, (list, tuple)) or not chunks:
+        raise TypeError(
+            "model must be a module or a non-empty list of model chunks, got "
+            f"{type(model).__name__}"
+        )
+    for i, chunk in enumerate(chunks):
+        if not isinstance(chunk, nn.Module):
+            raise TypeError(f"model[{i}] must be a torch.nn.Module, got {type(chunk).__name__}")
+    if optimizer is not None and (
+        isinstance(optimizer, nn.Module) or not callable(getattr(optimizer, "zero_grad", None))
+    ):
+        raise TypeError(
+            "optimizer must be Megatron's optimizer (anything with zero_grad()), got "
+            f"{type(optimizer).__name__}: MegatronPagedStashRunner(model, optimizer, config)"
+        )
+    looks_wrong = isinstance(config, nn.Module) or callable(getattr(config, "zero_grad", None))
+    if config is not None and looks_wrong:  # a model chunk or an optimizer in its place
+        raise TypeError(
+            f"config must be the model's TransformerConfig, got {type(config).__name__}: "
+            "MegatronPagedStashRunner(model, optimizer, config)"
+        )
+
+
 def _clone_rng(state: Any) -> Any:
     if isinstance(state, torch.Tensor):
         return state.clone()
@@ -158,6 +185,7 @@ class MegatronPagedStashRunner(PagedStashRunner):
         timeout: datetime.timedelta | None = None,
         restorables: Iterable[object] = (),
     ) -> None:
+        _check_arguments(model, optimizer, config)
         _refuse_megatron_stash(model)
         super().__init__(
             model,
@@ -200,6 +228,7 @@ class MegatronPagedStashRunner(PagedStashRunner):
                 f"MegatronPagedStashRunner takes forward_backward_func's keyword arguments; "
                 f"missing {missing}"
             )
+        self._check_call(iteration, kwargs)
         func = self.forward_backward_func
         if func is None:
             from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -213,6 +242,24 @@ class MegatronPagedStashRunner(PagedStashRunner):
                 return func(**{**kwargs, "data_iterator": _replay(data, is_list)})
 
         return self.step(step_fn, step=iteration, forward_only=self._forward_only)
+
+    def _check_call(self, iteration: object, kwargs: dict[str, Any]) -> None:
+        """The call's own mistakes, named as the caller wrote them, before anything runs."""
+        if iteration is not None and (
+            not isinstance(iteration, int) or isinstance(iteration, bool) or iteration < 0
+        ):
+            raise ValueError(f"iteration must be a non-negative int, got {iteration!r}")
+        n = kwargs["num_microbatches"]
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"num_microbatches must be an int >= 1, got {n!r}")
+        model = kwargs["model"]
+        given = [model] if isinstance(model, nn.Module) else list(model)
+        if [id(m) for m in given] != [id(c) for c in self.chunks]:
+            raise ValueError(
+                "model= is not the model this MegatronPagedStashRunner was built over (its "
+                "stash managers and dispatchers would never be reset or read): build one runner "
+                "per model and pass it the same chunks, in the same order"
+            )
 
     @contextlib.contextmanager
     def _builtin_stash_hooks_off(self) -> Iterator[None]:

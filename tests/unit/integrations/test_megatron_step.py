@@ -49,11 +49,11 @@ def test_topk_from_routing_map_in_expert_order_with_differentiable_probs() -> No
     assert torch.equal(probs_NK, probs_NE.gather(1, idx_NK))
     probs_NK.sum().backward()
     assert torch.equal(probs_NE.grad, routing.float())
-    # A token routed to fewer than K experts (a padding token): zero-probability fillers.
+    # A token routed to fewer than K experts (a padding token): no-expert fillers (-1).
     short = torch.zeros(1, 8, dtype=torch.bool)
     short[0, 5] = True
     p, i = topk_from_routing_map(short, torch.full((1, 8), 0.5), 3)
-    assert i[0, 0] == 5 and p.tolist() == [[0.5, 0.0, 0.0]]
+    assert i.tolist() == [[5, -1, -1]] and p.tolist() == [[0.5, 0.0, 0.0]]
 
 
 def _moe_config(**kw) -> MoEConfig:
@@ -132,6 +132,55 @@ def test_megatron_runner_arguments() -> None:
     assert is_list and items == [[1, 2], None]
     with pytest.raises(ValueError, match="step must be a non-negative int"):
         runner.step(lambda: None, step=-1)
+
+
+def test_megatron_runner_refuses_a_wrong_call_naming_the_users_argument() -> None:
+    cfg = _moe_config(moe_paged_stash=True)
+    model = nn.ModuleList([TEGroupedMLP(2, cfg, manager=PagedStashManager.from_config(cfg))])
+    runner = tpm.MegatronPagedStashRunner([model], config=types.SimpleNamespace())
+    call = {"forward_step_func": None, "data_iterator": iter([]), "model": [model]}
+    with pytest.raises(ValueError, match=r"num_microbatches must be an int >= 1, got 0"):
+        runner(**call, num_microbatches=0)
+    with pytest.raises(ValueError, match=r"iteration must be a non-negative int, got -1"):
+        runner(**call, num_microbatches=1, iteration=-1)
+    other = nn.ModuleList([TEGroupedMLP(2, cfg, manager=PagedStashManager.from_config(cfg))])
+    with pytest.raises(ValueError, match="model= is not the model this MegatronPagedStashRunner"):
+        runner(**{**call, "model": [other]}, num_microbatches=1)
+    assert runner.step_index == 0  # nothing ran
+
+
+def test_megatron_runner_refuses_arguments_in_the_wrong_order_or_of_the_wrong_kind() -> None:
+    cfg = _moe_config(moe_paged_stash=True)
+    model = nn.ModuleList([TEGroupedMLP(2, cfg, manager=PagedStashManager.from_config(cfg))])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = types.SimpleNamespace()
+    with pytest.raises(TypeError, match="model must be a module or a non-empty list"):
+        tpm.MegatronPagedStashRunner(optimizer, [model], config)
+    with pytest.raises(TypeError, match=r"optimizer must be Megatron's optimizer"):
+        tpm.MegatronPagedStashRunner([model], config, optimizer)
+    with pytest.raises(TypeError, match=r"config must be the model's TransformerConfig"):
+        tpm.MegatronPagedStashRunner([model], None, optimizer)
+    with pytest.raises(TypeError, match=r"model\[1\] must be a torch.nn.Module"):
+        tpm.MegatronPagedStashRunner([model, "chunk"], optimizer, config)
+    with pytest.raises(TypeError, match="max_consecutive_fallbacks must be an int, got '3'"):
+        tpm.MegatronPagedStashRunner([model], optimizer, config, max_consecutive_fallbacks="3")
+    runner = tpm.MegatronPagedStashRunner([model], optimizer, config)  # the right order
+    assert runner.optimizer is optimizer
+
+
+def test_a_manager_the_spec_would_not_use_or_that_contradicts_the_config_is_refused() -> None:
+    cfg = megatron_config(num_moe_experts=E)
+    manager = PagedStashManager(page_size=64, device="cpu")
+    with pytest.raises(ValueError, match="manager= was given but moe_paged_stash is off"):
+        tpm.get_te_paged_moe_spec(cfg, manager=manager, moe_expert_rank_capacity_factor=2.0)
+    on = {"moe_paged_stash": True, "moe_expert_rank_capacity_factor": 2.0}
+    with pytest.raises(ValueError, match=r"manager= pages 64 rows but moe_paged_stash_page_size "
+                       r"is 16"):  # fmt: skip
+        tpm.get_te_paged_moe_spec(cfg, manager=manager, moe_paged_stash_page_size=16, **on)
+    with pytest.raises(TypeError, match="manager must be a PagedStashManager"):
+        tpm.get_te_paged_moe_spec(cfg, manager="m", **on)
+    spec = tpm.get_te_paged_moe_spec(cfg, manager=manager, **on)  # agrees: fine
+    assert spec.submodules.experts.params["manager"] is manager
 
 
 def _run(code: str) -> subprocess.CompletedProcess:

@@ -159,3 +159,34 @@ def test_the_pool_bytes_survive_forward_and_the_backward_threading() -> None:
     (_, after), flags = grad(jnp.float32(1), data, pool)
     assert not np.asarray(flags).any()
     assert np.array_equal(np.asarray(after.pool_NH).view(np.uint32), bits)
+
+
+def test_a_pool_passed_twice_instead_of_threaded_is_flagged_invalid() -> None:
+    # Misuse: the same pool handed to two paged_checkpoint calls (the second should take the
+    # first's output). Both stash into the same pages; backward then pops the first record from
+    # the zero "cotangent" of the discarded pool. Before, that pop read zeros as if they were
+    # the rows (gradients off by up to 0.98) with every flag clean.
+    v = jnp.arange(ROWS, dtype=jnp.float32)
+
+    def misuse(x, pool):
+        a = jnp.tanh(x)
+        y1, _ = paged_checkpoint(_weighted_sum, a, 5, pool, v)  # its pool dropped
+        y2, pool = paged_checkpoint(_weighted_sum, a * 2, 5, pool, v)  # from the stale pool
+        return jnp.sum(y1 * y2), pool
+
+    def threaded(x, pool):
+        a = jnp.tanh(x)
+        y1, pool = paged_checkpoint(_weighted_sum, a, 5, pool, v)
+        y2, pool = paged_checkpoint(_weighted_sum, a * 2, 5, pool, v)
+        return jnp.sum(y1 * y2), pool
+
+    x = jax.random.normal(jax.random.key(3), (ROWS, HIDDEN))
+    pool = make_pool(8, PAGE, HIDDEN, differentiable=True)
+    for f, invalid in ((threaded, 0), (misuse, 1)):
+        g = paged_scope(f)
+        grads, pool_after = jax.grad(lambda x, p, g=g: g(x, p)[0], argnums=(0, 1))(x, pool)
+        assert int(pool_after.flags[Flag.INVALID]) >= invalid, f.__name__
+        if not invalid:
+            assert int(pool_after.flags[Flag.INVALID]) == 0
+            plain = jax.grad(lambda x, f=f: f(x, None)[0])(x)
+            assert np.array_equal(grads, plain)

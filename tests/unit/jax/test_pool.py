@@ -18,6 +18,7 @@ jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
 from te_paged.jax import STAMP, make_pool, overflowed, pop, reset_pool, stash  # noqa: E402
+from te_paged.jax.pool import POOL_ID  # noqa: E402
 from te_paged.kernels.layout import Flag, Meta, State, Tier  # noqa: E402
 
 # One geometry for every example, so each function compiles once: 6 pages of 4 rows, a static
@@ -122,7 +123,7 @@ def test_stash_and_pop_match_the_numpy_model(ops, seed) -> None:
                 np.asarray(rec.pages_M).tolist(),
                 int(rec.meta[Meta.ROWS]),
                 int(rec.meta[Meta.TIER]),
-                int(rec.stamp),
+                int(rec.stamp[0]),  # then the pool id and generation
             )
             assert got == want
             assert int(rec.meta[Meta.POPPED]) == 0
@@ -181,6 +182,8 @@ def test_one_compilation_for_every_token_count() -> None:
 def test_float_bookkeeping_gives_the_same_pool() -> None:
     ints = make_pool(PAGES, PAGE, HIDDEN)
     floats = make_pool(PAGES, PAGE, HIDDEN, differentiable=True)
+    # Two pools, two identities: give the float one the int one's, to compare the rest.
+    floats = floats._replace(state=floats.state.at[POOL_ID].set(ints.state[POOL_ID]))
     x = jnp.asarray(_random_rows(7).view(np.float32))
     for n in (5, 13, 2):
         ints, ri = stash(ints, x, n)
@@ -308,3 +311,32 @@ def test_tokens_per_row_counts_rows_of_several_tokens() -> None:
     assert np.array_equal(out[:2], x[:2]) and not np.asarray(out[2:]).any()
     pool, rec = stash(pool, x, ROWS * 32 + 1, tokens_per_row=32)  # one token over the budget
     assert int(rec.meta[Meta.TIER]) == Tier.NONE and bool(overflowed(pool))
+
+
+def test_a_record_popped_from_another_pool_or_generation_or_too_short_is_invalid() -> None:
+    x = jnp.asarray(_random_rows(3).view(np.float32))
+    pool, other = make_pool(PAGES, PAGE, HIDDEN), make_pool(PAGES, PAGE, HIDDEN)
+    pool, rec = stash(pool, x, 5)
+    other, theirs = stash(other, x[::-1], 5)  # the same pages and stamp, in another pool
+    wide = jnp.concatenate([x, x[:3]])  # 16 rows: the same 4 page slots as 13
+    pool, long = stash(pool, wide, 15)  # pops into 13 rows would drop 2
+    for name, target, record in (
+        ("another pool", pool, theirs),
+        ("after reset_pool", reset_pool(pool), rec),
+        ("into fewer rows than it stored", pool, long),
+    ):
+        after, out = pop(target, record, ROWS)
+        assert int(after.flags[Flag.INVALID]) == 1, name
+        assert not np.asarray(out).any(), name  # nothing handed over
+        assert np.array_equal(after.free_P, target.free_P), name  # nothing freed
+        assert int(after.state[State.TAIL]) == int(target.state[State.TAIL]), name
+    pool, out = pop(pool, rec, ROWS)  # the right pool, generation and rows
+    assert int(pool.flags[Flag.INVALID]) == 0 and np.array_equal(out[:5], x[:5])
+
+
+def test_a_float_token_count_is_refused() -> None:
+    pool = make_pool(PAGES, PAGE, HIDDEN)
+    with pytest.raises(TypeError, match="num_tokens must be an integer count, got float32"):
+        stash(pool, jnp.zeros((ROWS, HIDDEN)), jnp.float32(3.7))
+    with pytest.raises(TypeError, match="num_tokens must be an integer count"):
+        stash(pool, jnp.zeros((ROWS, HIDDEN)), 3.7)

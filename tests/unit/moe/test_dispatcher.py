@@ -268,3 +268,26 @@ def test_the_stash_is_sized_from_the_exact_balanced_count(monkeypatch) -> None:
     assert cfg.avg_num_tokens(224) == 203
     assert seen == [(224, 200)]
     assert layer.experts._balanced_num_tokens is None  # only within the layer's call
+
+
+def test_assignments_that_do_not_exist_are_not_sent_and_add_exact_zeros() -> None:
+    # Tokens routed to fewer than K experts (Megatron's routing map allows it): before, the
+    # missing routes went to some other expert with probability 0, using its budget and
+    # multiplying that expert's output by 0 (NaN where the output is NaN).
+    disp = StaticBudgetDispatcher(config(moe_expert_rank_capacity_factor=1.0))
+    x, probs, indices = routing()
+    routed = torch.ones_like(indices, dtype=torch.bool)
+    routed[::2, 1] = False  # every other token: one expert only
+    indices = indices.masked_fill(~routed, -1)
+    out_TH, tpe, _, handle = disp.dispatch(x, probs, indices, routed_NK=routed)
+    assert int(tpe.sum()) == int(routed.sum())  # only the real assignments are sent
+    assert int(disp.invalid_indices) == 0 and int(disp.over_budget) == 0
+    assert int(disp.dropped_tokens) == 0
+    nan_out = torch.full_like(out_TH, float("nan"))
+    nan_out[: int(tpe.sum())] = out_TH[: int(tpe.sum())]  # NaN only where nothing was sent
+    y = disp.combine(nan_out, handle)
+    assert not y.isnan().any()
+    expect = torch.stack([x[n] * int(routed[n].sum()) for n in range(N)])
+    assert torch.equal(y, expect)  # identity experts: each real assignment once
+    with pytest.raises(ValueError, match="routed must be a bool tensor shaped like indices"):
+        disp.dispatch(x, probs, indices, routed_NK=routed.long())

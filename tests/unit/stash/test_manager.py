@@ -453,3 +453,37 @@ def test_a_graph_dropped_without_backward_does_not_block_reset() -> None:
 def test_buffer_rejects_bad_arguments(args, error, match) -> None:
     with pytest.raises(error, match=match):
         PagedStashBuffer(*args)
+
+
+def test_a_page_larger_than_every_saved_tensor_warns_at_allocation() -> None:
+    # 40-row buffers in pages of 2**20 rows: each tensor takes a page 26214x its size.
+    manager = PagedStashManager(page_size=2**20, buffer_size_factor_cuda=1.0)
+    run_model(manager, 0)
+    with pytest.warns(UserWarning, match=r"page_size=1048576 rows, but no saved tensor has more "
+                      r"than 40 rows: every tensor takes a page at least 26214x"):  # fmt: skip
+        manager.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        manager.reset()  # once, at the first allocation
+        fine = PagedStashManager(page_size=8)
+        run_model(fine, 0)
+        fine.reset()
+
+
+def test_absurd_page_sizes_are_refused_naming_page_size(monkeypatch) -> None:
+    with pytest.raises(ValueError, match=r"page_size=1099511627776 rows: a page holds at most"):
+        PagedStashManager(page_size=2**40)
+    manager = PagedStashManager(page_size=2**30, buffer_size_factor_cuda=1.0)
+    run_model(manager, 0)
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: not enough memory")
+
+    monkeypatch.setattr(torch, "zeros", no_memory)  # what a 2**30-row pool meets
+    with (
+        warnings.catch_warnings(),
+        pytest.raises(RuntimeError, match=r"could not allocate the float32x16 pool: \d+ device "
+                      r"\(\+ 0 host\) pages x page_size=1073741824 rows x 64 bytes a row"),
+    ):  # fmt: skip
+        warnings.simplefilter("ignore")
+        manager.reset()
