@@ -381,6 +381,8 @@ def test_ab_engine_megatron_default_model_is_bitwise_and_saves_memory(tmp_path) 
     assert data["engine"] == "megatron" and data["world_size"] == 4
     assert data["megatron_core_version"] == "0.19.2"
     assert data["config"]["layers"] == 4 and data["config"]["dropout"] == 0.1
+    assert data["config"]["ep"] is None and data["config"]["seq_length"] == 128  # defaults
+    assert data["memory"]["step"] == 2 and "| 2 (paged) |" in proc.stdout
     for rank in data["ranks"]:
         assert all(rank["grads_equal"]), rank["grads_equal"]  # every parameter, every step
         assert [s["loss"] for s in rank["on"]] == [s["loss"] for s in rank["off"]]
