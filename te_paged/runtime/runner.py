@@ -206,16 +206,17 @@ class PagedStashRunner:
     model's buffers, FP8 metas and :class:`~te_paged.runtime.step_state.Restorable` modules;
     ``restorables`` adds objects outside the model (see :mod:`te_paged.runtime.step_state`).
 
-    Pool sizing (docs/choosing-factors.md): with ``grow_pool`` (the default) a stash overflow
-    grows each pool that was too small, once, to the pages the failed step needed
-    (``StepRecord.pool_demand_pages``) times ``grow_headroom`` (routing varies from step to
-    step), never past the capture step's static peak (a pool that large saves nothing); the
-    next step allocates it. ``grow_pool=False``
-    keeps the pools as sized. The ranks of each expert-parallel group agree on pool sizes at
-    allocation (the manager's ``pool_group``: one collective per allocation); ``per_rank_pools``
-    lets each rank size its own. ``max_pool_bytes`` bounds one rank's device pools in all: an
-    overflow whose step needed more raises :class:`PoolLimitError` on every rank (before any
-    rerun), and growth's headroom is dropped where it would pass the bound.
+    Pool sizing (docs/choosing-factors.md): with ``grow_pool`` (the default) every pool keeps
+    at least the largest need seen times ``grow_headroom`` (routing varies from step to step):
+    the capture step's observed peak, the pages a step that overflowed needed
+    (``StepRecord.pool_demand_pages``; it grows once, after the rerun), and those of a step that
+    left less than the headroom free (no rerun); never past the capture step's static peak (a
+    pool that large saves nothing). The next step allocates a grown pool. ``grow_pool=False``
+    keeps the pools as the factors size them. The ranks of each expert-parallel group agree on
+    pool sizes at allocation (the manager's ``pool_group``: one collective per allocation);
+    ``per_rank_pools`` lets each rank size its own. ``max_pool_bytes`` bounds one rank's device
+    pools in all: an overflow whose step needed more raises :class:`PoolLimitError` on every
+    rank (before any rerun), and growth's headroom is dropped where it would pass the bound.
     """
 
     def __init__(
