@@ -351,7 +351,8 @@ class PagedStashRunner:
             spill = spill + (manager.flags[Flag.HOST_SPILL] > 0).long()
             invalid = invalid + (manager.flags[Flag.INVALID] > 0).long()
             for key, buf in manager.buffers.items():
-                h = buf.state[[State.HWM, State.DEMAND_HWM]].to(device)
+                # Basic indexing: a list index would copy the index to the device first.
+                h = torch.stack([buf.state[State.HWM], buf.state[State.DEMAND_HWM]]).to(device)
                 hwm[key] = torch.maximum(hwm[key], h) if key in hwm else h
                 figures = (buf.num_pages, manager.capture_peaks(key)[0])
                 const[key] = max(const.get(key, (0, 0)), figures)
