@@ -133,10 +133,7 @@ def _train(cfg: ModelConfig, grow: bool, args, rank: int, world: int, watchdog, 
     with manager.disabled():
         off = measure_peak(measured_step, torch.device("cpu"))[1].peak_bytes
     key_pages = {str(k): manager.capture_peaks(k) for k in manager.keys}
-    page_bytes = {
-        str(k): manager.page_size * k.hidden * torch.empty((), dtype=k.dtype).element_size()
-        for k in manager.keys
-    }
+    page_bytes = {str(k): manager.page_size * k.row_bytes for k in manager.keys}
     profile = runner.routing_profile() if rank == 0 else None
     return {
         "records": records,

@@ -173,6 +173,10 @@ class _RankStats(NamedTuple):
     peak_pair_tokens: int
     pools: dict[StashKey, _PoolFigures]
 
+    def demand(self) -> dict[StashKey, int]:
+        """The pages each pool key's step needed at its peak."""
+        return {k: f.demand for k, f in self.pools.items()}
+
 
 @dataclasses.dataclass
 class StepState:
@@ -683,7 +687,7 @@ class PagedStashRunner:
 
     def _page_bytes(self, key: StashKey) -> int:
         manager = self.managers[0]
-        return manager.page_size * key.hidden * torch.empty((), dtype=key.dtype).element_size()
+        return manager.page_size * key.row_bytes
 
     def _check_pool_bound(self, record: StepRecord, per_rank: list[_RankStats]) -> None:
         """Every rank decides from the same reduced figures: all raise, or none does."""
@@ -747,9 +751,8 @@ class PagedStashRunner:
         ]
         if not short:
             return
-        mine = per_rank[self._world()[0]]
         # Every rank reallocates at the next reset(), so a group allocates, and agrees, together.
-        self._grow(record, {k: f.demand for k, f in mine.pools.items()}, "headroom", every=True)
+        self._grow(record, per_rank[self._world()[0]].demand(), "headroom", every=True)
 
     def _fallback(
         self, step_fn: Callable[[], Any], state: StepState, record: StepRecord,
@@ -776,8 +779,7 @@ class PagedStashRunner:
             )
         self.clear_gradients()
         if self.grow_pool and record.stash_overflow_ranks and record.enabled:
-            mine = per_rank[self._world()[0]]
-            self._grow(record, {k: f.demand for k, f in mine.pools.items()}, "overflow")
+            self._grow(record, per_rank[self._world()[0]].demand(), "overflow")
         for manager in self.managers:
             manager.release()  # the pool and the dropless rerun never coexist
         self._route_calls.clear()  # the rerun routes the same tokens again: count them once

@@ -42,6 +42,11 @@ class StashKey:
     def __str__(self) -> str:
         return f"{str(self.dtype).removeprefix('torch.')}x{self.hidden}"
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row of this key's pool."""
+        return self.hidden * self.dtype.itemsize
+
 
 #: Pool keys (dtype, row width) a rank may hold: the fixed room of the collectives that carry
 #: per-key figures (the runner's per-step reduction, the pool-size agreement at allocation).

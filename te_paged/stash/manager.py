@@ -475,7 +475,7 @@ class PagedStashManager:
                 try:
                     buffer = PagedStashBuffer(key, dev, self.page_size, self.device, host)
                 except (RuntimeError, MemoryError) as e:
-                    width = key.hidden * torch.empty((), dtype=key.dtype).element_size()
+                    width = key.row_bytes
                     raise RuntimeError(
                         f"could not allocate the {key} pool: {dev} device (+ {host} host) pages "
                         f"x page_size={self.page_size} rows x {width} bytes a row = "
