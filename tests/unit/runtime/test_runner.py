@@ -239,6 +239,28 @@ def test_growth_adds_headroom_up_to_the_static_peak(headroom) -> None:
     assert bool(capped) == (headroom == 100.0)  # the ceiling did cap, and only there
 
 
+def test_a_step_that_leaves_less_than_the_headroom_free_grows_the_pool_without_a_rerun() -> None:
+    # A 1.5 pool holds step 1 (8 of 12 pages needed), but not with a headroom of 1.6 (13): the
+    # pool grows for the next step, and nothing reruns.
+    model, manager = make({"moe_paged_stash_buffer_size_factor_cuda": 1.5})
+    runner = PagedStashRunner(model, manager, grow_headroom=1.6)
+    capture_at_factor(runner, model)
+    _, rec = runner.step(step_fn(model, 1))
+    assert rec.attempt == 1 and rec.stash_overflow_ranks == 0  # it fitted
+    pages, need = rec.pool_pages, rec.pool_demand_pages
+    assert all(math.ceil(n * 1.6) > pages[k] for k, n in need.items())  # the case at hand
+    statics = {str(k): manager.capture_peaks(k)[2] for k in manager.keys}
+    assert rec.pool_growth == {
+        k: {"from": pages[k], "to": min(math.ceil(n * 1.6), statics[k]), "needed": n,
+            "why": "headroom"}
+        for k, n in need.items()
+    }  # fmt: skip
+    assert pages == {str(k): b.num_pages for k, b in manager.buffers.items()}  # kept till reset
+    _, after = runner.step(step_fn(model, 1))
+    assert after.attempt == 1
+    assert after.pool_pages == {k: g["to"] for k, g in rec.pool_growth.items()}
+
+
 def test_max_pool_bytes_bounds_the_growth_and_refuses_a_step_that_needs_more() -> None:
     model, manager = make({"moe_paged_stash_buffer_size_factor_cuda": 0.2})
     runner = PagedStashRunner(model, manager, max_pool_bytes=10**9, grow_headroom=2.0)
