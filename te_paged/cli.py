@@ -4,6 +4,7 @@
     te-paged ab     --engine megatron [--ep 2] [--dropout 0.1] [--overlap-grad-reduce]
                     [--pipeline-parallel 2 [--virtual-stages 2]] [--microbatches 4] ...
     te-paged ab     --engine jax [--ep 4] [model and run flags]   (one process, CPU)
+    te-paged ab     --engine torchtitan [--ep 2] [--activation-checkpoint selective] ...
     te-paged plan   --profile PATH [--target-rerun-rate R] [--host-spill]
     te-paged plan   --model deepseek-v3 --seq-length 4096 --micro-batch-size 2 --ep 4 \
                     [--ring-of-experts | --capacity-factor F] \
@@ -74,8 +75,9 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
     if engines:
         from te_paged.tools.jax_ab import JaxModelConfig  # imports no JAX
         from te_paged.tools.megatron_ab import MegatronModelConfig
+        from te_paged.tools.torchtitan_ab import TorchtitanModelConfig  # imports no torchtitan
 
-        m, j = MegatronModelConfig(), JaxModelConfig()
+        m, j, t = MegatronModelConfig(), JaxModelConfig(), TorchtitanModelConfig()
         jax_flags = {f.name for f in dataclasses.fields(j) if f.init}
 
         def dflt(name: str) -> str:
@@ -85,6 +87,8 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
                 text += " per pipeline stage"
             if name in jax_flags and getattr(j, name) != a:
                 text += f"; jax engine {getattr(j, name)}"
+            if getattr(t, name) != a:
+                text += f"; torchtitan engine {getattr(t, name)}"
             return text
 
         title = "model and run (defaults: the embedded default model)"
@@ -104,7 +108,7 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
     ):
         g.add_argument(flag, type=integer(1), help=f"{what} ({dflt(name)})")
     megatron_note = (
-        "; not with --engine megatron, which takes --seq-length and --micro-batch-size"
+        "; not with --engine megatron or torchtitan, which take --seq-length and --micro-batch-size"
         if engines
         else ""
     )
@@ -184,23 +188,27 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
         "engine, whose pool is sized once)",
     )
     e = p.add_argument_group(
-        "engine (--engine megatron: a Megatron-core GPTModel; --engine jax: te_paged.jax)"
+        "engine (--engine megatron: a Megatron-core GPTModel; --engine jax: te_paged.jax; "
+        "--engine torchtitan: torchtitan's Trainer and DeepSeek-V3 model)"
     )
     e.add_argument(
         "--engine",
-        choices=["default", "megatron", "jax"],
+        choices=["default", "megatron", "jax", "torchtitan"],
         default="default",
         help="default: the embedded te_paged model; megatron: Megatron-core's GPTModel with "
         "te_paged's MoE spec, Megatron DDP, optimizer and forward_backward_func under "
         "MegatronPagedStashRunner (needs megatron-core 0.19.2 or 0.16.1); jax: te_paged.jax's "
         "ring-of-experts MoE stack in one process on CPU, memory from XLA's compiled memory "
-        "analysis (needs the jax extra; model defaults: docs/jax.md)",
+        "analysis (needs the jax extra; model defaults: docs/jax.md); torchtitan: a tiny "
+        "torchtitan DeepSeek-V3 under te_paged's PagedStashTrainer (torchtitan's Trainer, "
+        "FSDP2, EP mesh, AdamW; needs torchtitan 0.3.0, docs/torchtitan.md)",
     )
     e.add_argument(
         "--ep",
         type=integer(1),
-        help="expert-parallel size (megatron: default every rank; jax: the ring's size and "
-        "the capacity factor, default 4; not with the default engine)",
+        help="expert-parallel size (megatron: default every rank; torchtitan: default every "
+        "rank, the rest data parallel; jax: the ring's size and the capacity factor, default "
+        "4; not with the default engine)",
     )
     e.add_argument(
         "--dropout",
@@ -210,12 +218,12 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
     e.add_argument(
         "--seq-length",
         type=integer(1),
-        help=f"sequence length ({m.seq_length}; megatron only)",
+        help=f"sequence length ({m.seq_length}; megatron and torchtitan only)",
     )
     e.add_argument(
         "--micro-batch-size",
         type=integer(1),
-        help=f"sequences per microbatch ({m.micro_batch_size}; megatron only)",
+        help=f"sequences per microbatch ({m.micro_batch_size}; megatron and torchtitan only)",
     )
     _knob(
         e,
@@ -237,6 +245,12 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
         type=integer(1),
         help="virtual pipeline stages per rank: Megatron's interleaved schedule (megatron "
         "only; needs --pipeline-parallel > 1)",
+    )
+    e.add_argument(
+        "--activation-checkpoint",
+        choices=["selective", "full"],
+        help="torchtitan's activation checkpointing: per-op selective (SelectiveAC) or full "
+        "(torchtitan only; default: none)",
     )
     e.add_argument(
         "--overlap-grad-reduce",

@@ -39,12 +39,15 @@ def model_config(args: argparse.Namespace):
         from te_paged.tools.megatron_ab import MegatronModelConfig as cls
     elif engine == "jax":
         from te_paged.tools.jax_ab import JaxModelConfig as cls
+    elif engine == "torchtitan":
+        from te_paged.tools.torchtitan_ab import TorchtitanModelConfig as cls
     else:
         cls = ModelConfig
     fields = {f.name for f in dataclasses.fields(cls) if f.init}
     kw = {k: v for k, v in vars(args).items() if k in fields and v is not None}
-    if megatron:
+    if megatron or engine == "torchtitan":
         kw.pop("tokens", None)  # seq_length x micro_batch_size
+    if megatron:
         if "layers" not in kw:  # 4 per pipeline stage: a stage with fewer layers saves little
             kw["layers"] = cls.layers * kw.get("pipeline_parallel", cls.pipeline_parallel)
     return cls(**kw)
@@ -103,6 +106,7 @@ def _check_jax_args(args: argparse.Namespace) -> str | None:
         ("op_fuser", "--op-fuser"),
         ("kernel_backend", "--kernel-backend"),
         ("record_profile", "--record-profile"),
+        ("activation_checkpoint", "--activation-checkpoint"),
     ]
     refused += [(n, f"--{n.replace('_', '-')}") for n in _MEGATRON_ONLY if n != "ep"]
     given = [flag for name, flag in refused if getattr(args, name, None) not in (None, False)]
@@ -131,10 +135,69 @@ def _check_jax_args(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _check_torchtitan_args(args: argparse.Namespace) -> str | None:
+    """``--engine torchtitan``: what its model and torchtitan's Trainer take."""
+    refused = [
+        ("tokens", "--tokens"),
+        ("fp8", "--fp8"),
+        ("recompute", "--recompute"),
+        ("op_fuser", "--op-fuser"),
+        ("record_profile", "--record-profile"),
+    ]
+    refused += [(n, f"--{n.replace('_', '-')}") for n in _MEGATRON_ONLY
+                if n not in ("ep", "seq_length", "micro_batch_size")]  # fmt: skip
+    given = [flag for name, flag in refused if getattr(args, name, None) not in (None, False)]
+    if args.activation not in (None, "swiglu"):
+        given.append("--activation")
+    if given:
+        return (
+            f"{', '.join(given)}: not available with --engine torchtitan (torchtitan's "
+            "GroupedExperts: SwiGLU, bf16 grouped GEMMs; its own activation checkpointing: "
+            "--activation-checkpoint)"
+        )
+    world, _ = _world(args)
+    args.device = _resolve_device(args.device, world, _world(args)[1])
+    cfg = model_config(args)
+    if cfg.steps < MIN_STEPS:
+        return f"--steps {cfg.steps}: step 0 is the capture step; at least {MIN_STEPS}"
+    ep = args.ep or world
+    if world % ep:
+        return f"--ep {ep} does not divide the {world} ranks"
+    if cfg.experts % ep:
+        return f"{cfg.experts} experts do not split evenly over --ep {ep}"
+    if cfg.topk > cfg.experts:
+        return f"--topk {cfg.topk} exceeds --experts {cfg.experts}"
+    if cfg.hidden % cfg.heads:
+        return f"--hidden {cfg.hidden} is not a multiple of the model's {cfg.heads} heads"
+    try:
+        cfg.moe_config(ep, paged=True)  # the library's own checks
+    except ValueError as e:
+        return str(e)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            return "--device cuda but CUDA is not available here"
+    if importlib.util.find_spec("torchtitan") is None:
+        from te_paged.integrations import TORCHTITAN_INSTALL, TORCHTITAN_RELEASE
+
+        return f"--engine torchtitan needs torchtitan {TORCHTITAN_RELEASE}: {TORCHTITAN_INSTALL}"
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        return "--plot needs matplotlib: pip install 'te_paged[plot]'"
+    try:
+        check_output("--json", args.json, args.force)
+        check_output("--plot", args.plot, args.force)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def check_ab_args(args: argparse.Namespace) -> str | None:
     """Everything the run would trip over, as one message (or None), before any rank starts."""
     if args.engine == "jax":
         return _check_jax_args(args)
+    if args.engine == "torchtitan":
+        return _check_torchtitan_args(args)
     megatron = args.engine == "megatron"
     args.device = _resolve_device(args.device, *_world(args))
     if not megatron:
@@ -142,6 +205,8 @@ def check_ab_args(args: argparse.Namespace) -> str | None:
                  (None, False)]  # fmt: skip
         if given:
             return f"{', '.join(given)}: only with --engine megatron"
+    if args.activation_checkpoint is not None:
+        return "--activation-checkpoint: only with --engine torchtitan"
     elif args.tokens is not None:
         return (
             "--tokens: not with --engine megatron, whose tokens per rank are --seq-length x "
@@ -266,6 +331,14 @@ def _rank(rank: int, world: int, watchdog: RankWatchdog, init: str, args: argpar
             from te_paged.integrations.megatron import cpu_shims
 
             cpu_shims.install()  # CPU only: stand-ins for megatron-core's CUDA-only calls
+    if args.engine == "torchtitan":
+        from te_paged.tools.torchtitan_ab import quiet_torchtitan
+
+        quiet_torchtitan()
+        if args.device == "cpu":
+            from te_paged.integrations.torchtitan import cpu_shims
+
+            cpu_shims.install()  # CPU only: stand-ins for torchtitan's CUDA assumptions
     if args.device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     backend = "nccl" if args.device == "cuda" else "gloo"
@@ -288,6 +361,10 @@ def _rank(rank: int, world: int, watchdog: RankWatchdog, init: str, args: argpar
             from te_paged.tools.megatron_ab import run_megatron_ab
 
             mine = run_megatron_ab(cfg, device, progress)
+        elif args.engine == "torchtitan":
+            from te_paged.tools.torchtitan_ab import run_torchtitan_ab
+
+            mine = run_torchtitan_ab(cfg, device, progress)
         else:
             record = args.record_profile is not None
             mine = run_ab(cfg, dist.group.WORLD, device, progress, record_routing=record)
@@ -368,6 +445,10 @@ def run_ab_command(args: argparse.Namespace) -> int:
         from te_paged.integrations.megatron.releases import installed_version
 
         print(f"megatron-core {installed_version()}\n")
+    if args.engine == "torchtitan":
+        import importlib.metadata
+
+        print(f"torchtitan {importlib.metadata.version('torchtitan')}\n")
     print(format_table(result))
     _write_outputs(args, result)
     return 0 if result.equal else 1

@@ -2,7 +2,8 @@
 
 The record is :class:`~te_paged.tools.ab.ABResult` as a dict plus what a reader needs to trust
 and reproduce it: ``schema_version``, the te_paged and torch versions (JAX's for the jax
-engine, megatron-core's release for the megatron engine), the engine and the command line. A
+engine, megatron-core's release for the megatron engine, torchtitan's for the torchtitan
+engine), the engine and the command line. A
 value that is undefined or not finite (a ratio against a model that is not positive, a loss
 that overflowed) is written as ``null``, never as ``NaN`` or ``Infinity``, which strict
 parsers (``JSON.parse``, ``json.loads`` with ``parse_constant`` raising) reject. Every field
@@ -31,7 +32,7 @@ __all__ = ["ENGINES", "SCHEMA_FILE", "SCHEMA_VERSION", "build_record", "dumps", 
 SCHEMA_VERSION = 1
 SCHEMA_FILE = "run_record.schema.json"
 #: ``te-paged ab --engine`` values; the record says which one ran.
-ENGINES = ("default", "megatron", "jax")
+ENGINES = ("default", "megatron", "jax", "torchtitan")
 
 
 def _finite(value: Any) -> Any:
@@ -56,6 +57,7 @@ def build_record(result: ABResult, engine: str, command: list[str]) -> dict[str,
         "torch_version": torch.__version__,
         **({"jax_version": _jax_version()} if engine == "jax" else {}),
         **({"megatron_core_version": _megatron_version()} if engine == "megatron" else {}),
+        **({"torchtitan_version": _torchtitan_version()} if engine == "torchtitan" else {}),
         "command": [str(a) for a in command],
         "engine": engine,
         "equal": result.equal,
@@ -70,6 +72,12 @@ def _megatron_version() -> str:
     from te_paged.integrations.megatron.releases import installed_version
 
     return installed_version()
+
+
+def _torchtitan_version() -> str:
+    import importlib.metadata
+
+    return importlib.metadata.version("torchtitan")
 
 
 def _jax_version() -> str:

@@ -1,0 +1,73 @@
+"""te_paged inside torchtitan 0.3.0's own Trainer and DeepSeek-V3 model, on 4 CPU ranks.
+
+One ``torchrun`` launch runs every case of ``worker.py``; the tests read its per-rank JSON. ON
+and OFF are compared bitwise per step: the loss, every gradient shard and every parameter shard
+after torchtitan's optimizer step (AdamW, gradient clipping, the load-balancing hook).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from functional_tests.launch import torchrun
+from functional_tests.torchtitan import worker
+
+pytest.importorskip("torchtitan")  # installed by scripts/test.sh; never skipped in CI
+
+WORLD_SIZE = 4
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("torchtitan")
+    torchrun(
+        ["-m", "functional_tests.torchtitan.worker", "--out", str(out)],
+        nproc=WORLD_SIZE,
+        timeout_s=480,
+        env={"PYTHONWARNINGS": "ignore"},
+    )
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
+    assert all(r["world_size"] == WORLD_SIZE for r in ranks)
+    return ranks
+
+
+def _steps(results, case):
+    return [(r["rank"], s) for r in results for s in r["cases"][case]]
+
+
+@pytest.mark.parametrize("case", list(worker.CASES))
+def test_on_equals_off_bitwise_every_step(results, case):
+    steps = _steps(results, case)
+    assert len(steps) == WORLD_SIZE * worker.STEPS
+    for rank, s in steps:
+        assert s["loss_equal"] and s["grads_equal"] and s["params_equal"], (case, rank, s)
+        assert s["params"] > 0
+
+
+@pytest.mark.parametrize("case", ["ep4", "ep2_dp2"])
+def test_in_budget_steps_are_paged_without_a_rerun(results, case):
+    for _rank, s in _steps(results, case):
+        assert s["attempt"] == 1 and s["enabled"]
+        assert s["stashes"] > 0 and s["stashes"] == s["pops"]
+        assert s["overflow_ranks"] == 0 and s["overbudget_ranks"] == 0
+
+
+def test_a_pool_too_small_overflows_and_reruns(results):
+    for _rank, s in _steps(results, "overflow"):
+        if s["capture"]:
+            continue
+        assert s["attempt"] == 2 and s["overflow_ranks"] > 0 and not s["enabled"]
+
+
+def test_tokens_over_budget_rerun_dropless(results):
+    steps = _steps(results, "over_budget")
+    assert all(s["overbudget_ranks"] > 0 and s["attempt"] == 2 for _r, s in steps), steps
+
+
+def test_selective_activation_checkpointing_leaves_checkpointed_blocks_to_torch(results):
+    # torchtitan's SAC wraps every block in torch's non-reentrant checkpoint, whose hooks own
+    # the blocks' saved tensors: the stash stands aside (nothing paged twice), ON == OFF.
+    for _rank, s in _steps(results, "sac"):
+        assert s["attempt"] == 1 and s["stashes"] == s["pops"] == 0

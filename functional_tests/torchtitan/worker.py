@@ -1,0 +1,111 @@
+"""Worker of ``test_torchtitan_train.py``: every case in one ``torchrun`` launch (4 CPU ranks).
+
+Each case trains a fresh :class:`~te_paged.integrations.torchtitan.PagedStashTrainer` (the
+``ab`` engine's tiny torchtitan DeepSeek-V3, made smaller) for :data:`STEPS` steps, paged stash
+OFF, then ON under other settings, and compares loss, every gradient shard and every parameter
+shard after the optimizer step bitwise with the OFF run of the same routing:
+
+* ``ep4``: expert parallelism over the 4 ranks (FSDP of the dense part over the same 4);
+* ``ep2_dp2``: expert parallelism 2, each expert group data parallel over 2 ranks (``efsdp``);
+* ``overflow``: ``ep4``'s model with a pool that cannot hold a step (``grow_pool`` off, buffer
+  factor 0.3): every step after the capture step overflows and reruns; compared with ``ep4``'s
+  OFF run, which never overflowed;
+* ``over_budget``: rank 0's routing skewed to expert 0 past its budget (capacity factor 1.25):
+  over-budget reruns, against an OFF run of the same skewed routing that never had a budget
+  (``moe_expert_rank_capacity_factor=None``: dropless from the start), so never reran;
+* ``sac``: torchtitan's selective activation checkpointing on every block.
+
+Each rank writes ``rank<r>.json``: per case, per step, the flags and whether it matched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+STEPS = 3
+BASE = {
+    "layers": 2, "dense_layers": 1, "experts": 8, "hidden": 64, "ffn": 64, "heads": 4,
+    "vocab": 256, "seq_length": 64, "micro_batch_size": 2, "steps": STEPS,
+    "measure_memory": False,
+}  # fmt: skip
+#: case -> (the OFF run it is compared with, the ON run's settings)
+CASES = {
+    "ep4": ("ep4", {}),
+    "overflow": ("ep4", {"grow_pool": False, "buffer_factor_cuda": 0.3}),
+    "ep2_dp2": ("ep2_dp2", {"ep": 2}),
+    "over_budget": ("over_budget", {"capacity_factor": 1.25, "skew": 20.0}),
+    "sac": ("sac", {"activation_checkpoint": "selective"}),
+}
+#: OFF runs: the routing-relevant settings of the cases that own one.
+OFF = {
+    "ep4": {},
+    "ep2_dp2": {"ep": 2},
+    "over_budget": {"capacity_factor": None, "skew": 20.0},
+    "sac": {"activation_checkpoint": "selective"},
+}
+
+
+def _same(a, b) -> bool:
+    import torch
+
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+
+    import torch
+    import torch.distributed as dist
+
+    from te_paged.integrations.torchtitan import cpu_shims
+
+    cpu_shims.install()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    from te_paged.tools.torchtitan_ab import TorchtitanModelConfig, quiet_torchtitan, train
+
+    quiet_torchtitan()
+    rank, device = dist.get_rank(), torch.device("cpu")
+    off_runs = {
+        name: train(TorchtitanModelConfig(**{**BASE, **kw}), False, device)
+        for name, kw in OFF.items()
+    }
+    result = {"world_size": dist.get_world_size(), "rank": rank, "cases": {}}
+    for case, (off_name, kw) in CASES.items():
+        on = train(TorchtitanModelConfig(**{**BASE, **kw}), True, device)
+        off = off_runs[off_name]
+        steps = []
+        for i, (a, b) in enumerate(zip(on.steps, off.steps)):
+            steps.append(
+                {
+                    "loss_equal": a.loss == b.loss,
+                    "grads_equal": _same(on.grads[i], off.grads[i]),
+                    "params_equal": _same(on.params[i], off.params[i]),
+                    "attempt": a.attempt,
+                    "enabled": a.enabled,
+                    "capture": a.capture,
+                    "overflow_ranks": a.stash_overflow_ranks,
+                    "overbudget_ranks": a.overbudget_ranks,
+                    "stashes": a.stashes,
+                    "pops": a.pops,
+                    "params": len(on.params[i]),
+                    "record": {k: a.record[k] for k in ("step", "pool_growth")},
+                }
+            )
+        result["cases"][case] = steps
+    (args.out / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    sys.exit(main())

@@ -1,0 +1,404 @@
+"""Paged stash inside torchtitan's MoE: experts, a static-budget token dispatcher, the routed
+experts that hold both, and the conversion of a torchtitan model config.
+
+Shape suffixes (torchtitan's): ``T`` local tokens, ``K`` top-k, ``D`` model dim, ``F`` expert
+hidden dim, ``E`` experts, ``e`` local experts, ``R`` rows handed to the local experts (the
+static budget ``max_num_tokens``; the real rows are a prefix of ``sum(counts)``).
+
+::
+
+    RoutedExperts (torchtitan)            PagedRoutedExperts (this module)
+    ──────────────────────────            ─────────────────────────────────────────────────────
+    token_dispatcher: AllToAll...         token_dispatcher: StaticBudgetTokenDispatcher
+      host split sizes (a D2H sync)         te_paged's StaticBudgetDispatcher: fixed-size
+      R = real rows (dynamic)               all_to_all on the EP mesh, R = static budget,
+                                            over-budget flag, dropless mode for the rerun
+    inner_experts: GroupedExperts          inner_experts: PagedGroupedExperts
+      saves x twice and four [R, F]         the same arithmetic; x, and the four [R, F], are
+      tensors for backward                  marked and paged (actual rows only) into the
+                                            shared PagedStashManager
+
+The experts keep torchtitan's parameter names (``w1_EFD``, ``w2_EDF``, ``w3_EFD``), so its
+sharding plans, FSDP, checkpoints and state-dict adapters apply unchanged. The routing scores
+are applied in ``combine``, in fp32, as torchtitan's dispatchers do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torchtitan.config import derive
+from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
+from torchtitan.models.common.token_dispatcher import (
+    AllToAllTokenDispatcher,
+    LocalTokenDispatcher,
+)
+from torchtitan.protocols.model import ModelConfigConverter
+
+from te_paged.config import MoEConfig
+from te_paged.grouped.grouped_tensor import splits_are_invalid
+from te_paged.kernels.layout import Flag
+from te_paged.markers import mark_grouped_tensor
+from te_paged.moe import DispatchHandle, PagedStashParticipant, StaticBudgetDispatcher
+from te_paged.stash import PagedStashManager
+
+__all__ = [
+    "PagedGroupedExperts",
+    "PagedRoutedExperts",
+    "PagedStashConverter",
+    "StaticBudgetTokenDispatcher",
+    "attach_paged_stash",
+    "convert_moe",
+]
+
+#: te_paged's knobs (the names of its MoE config and of Megatron's fields) with their defaults.
+#: The converter's config and the trainer's ``te_paged`` section carry them under these names.
+STASH_FIELDS = (
+    "moe_paged_stash",
+    "moe_paged_stash_page_size",
+    "moe_paged_stash_buffer_size_factor_cuda",
+    "moe_paged_stash_buffer_size_factor_cpu",
+    "moe_paged_stash_kernel_backend",
+)
+
+
+class PagedGroupedExperts(GroupedExperts, PagedStashParticipant):
+    """torchtitan's ``GroupedExperts`` whose saved activations are paged.
+
+    Same parameters, same ``forward(x_RD, num_tokens_per_expert_E)`` and the same arithmetic
+    as ``GroupedExperts.forward`` (bf16 grouped GEMMs through the ``_grouped_mm`` seam, so a
+    low-precision ``_grouped_mm`` of a subclass composes), bit for bit: the input is cast to
+    bf16 once instead of twice. Inside the manager's scope the bf16 input and the four
+    ``[R, F]`` intermediates autograd saves are marked, so the stash keeps their actual rows
+    (``sum(num_tokens_per_expert_E)``, read on the device) in its shared pool.
+
+    :attr:`manager` is set by :func:`attach_paged_stash` (the trainer does it after building
+    the model): the layers of a model share one manager. Without one, a forward that records
+    for backward with ``moe_paged_stash`` on raises.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(GroupedExperts.Config):
+        moe_paged_stash: bool = True
+        moe_paged_stash_page_size: int = 64
+        moe_paged_stash_buffer_size_factor_cuda: float = 1.10
+        moe_paged_stash_buffer_size_factor_cpu: float = 0.0
+        moe_paged_stash_kernel_backend: str = "auto"
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.stash_options = {name: getattr(config, name) for name in STASH_FIELDS}
+        self.manager: PagedStashManager | None = None
+        self.layer_number: int | None = None
+        #: Balanced-case rows of the next forward (``T·K``), set by :class:`PagedRoutedExperts`;
+        #: sizes the pools. ``None``: the static rows.
+        self.balanced_rows: int | None = None
+
+    def paged_stash_managers(self) -> tuple[PagedStashManager, ...]:
+        return () if self.manager is None else (self.manager,)
+
+    def _weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        ws = (self.w1_EFD, self.w2_EDF, self.w3_EFD)
+        return tuple(w.to_local() if isinstance(w, DTensor) else w for w in ws)  # type: ignore[return-value]
+
+    def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        paged = self.stash_options["moe_paged_stash"] and torch.is_grad_enabled()
+        manager = self.manager
+        if paged and manager is None:
+            raise RuntimeError(
+                "PagedGroupedExperts has no stash manager: call "
+                "te_paged.integrations.torchtitan.attach_paged_stash(model) after building the "
+                "model (PagedStashTrainer does), or set moe_paged_stash=False"
+            )
+        if not paged or not manager.enabled:
+            return self._experts(x_RD, num_tokens_per_expert_E, mark=False)
+        rows = x_RD.shape[0]
+        counts_e = num_tokens_per_expert_E
+        manager.flags[Flag.INVALID] += splits_are_invalid(counts_e, rows)
+        num_tokens = counts_e.sum().reshape(1)  # on the device: no host read
+        balanced = rows if self.balanced_rows is None else min(rows, self.balanced_rows)
+        with manager.scope(rows, num_tokens, balanced, layer=self.layer_number):
+            return self._experts(x_RD, counts_e, mark=True)
+
+    def _experts(self, x_RD: torch.Tensor, counts_e: torch.Tensor, *, mark: bool) -> torch.Tensor:
+        """``GroupedExperts.forward``'s arithmetic; ``mark``: mark what autograd saves."""
+        w1_EFD, w2_EDF, w3_EFD = self._weights()
+        offsets_E = torch.cumsum(counts_e, dim=0, dtype=torch.int32)
+        # A mark must be set before the op that saves the tensor runs (its pack hook reads it).
+        x_bf = x_RD.bfloat16()
+        if mark:
+            mark_grouped_tensor(x_bf)  # saved by both grouped GEMMs below, paged once
+        g1_RF = self._grouped_mm(A=x_bf, B_t=w1_EFD.bfloat16().transpose(-2, -1), offs=offsets_E)
+        if mark:
+            mark_grouped_tensor(g1_RF)  # saved by silu
+        s_RF = F.silu(g1_RF)
+        g3_RF = self._grouped_mm(A=x_bf, B_t=w3_EFD.bfloat16().transpose(-2, -1), offs=offsets_E)
+        if mark:
+            mark_grouped_tensor(s_RF, g3_RF)  # saved by the product
+        h_RF = s_RF * g3_RF
+        if mark:
+            mark_grouped_tensor(h_RF)  # saved by the last grouped GEMM
+        out = self._grouped_mm(A=h_RF, B_t=w2_EDF.bfloat16().transpose(-2, -1), offs=offsets_E)
+        return out.type_as(x_RD)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Metadata:
+    """What :meth:`StaticBudgetTokenDispatcher.combine` needs from its dispatch."""
+
+    handle: DispatchHandle
+    probs_R: torch.Tensor  # routing scores of the rows handed to the experts (padding: 0)
+
+
+class StaticBudgetTokenDispatcher(LocalTokenDispatcher):
+    """torchtitan's token-dispatcher interface on te_paged's :class:`StaticBudgetDispatcher`.
+
+    ``dispatch(x_TD, topk_scores_TK, topk_expert_ids_TK, counts_E)`` returns
+    ``(routed_RD, counts_e, metadata)`` with ``R`` the static budget (``T·K·factor``, rounded to
+    split evenly over the EP ranks; real rows a prefix, padding zero), ``counts_e`` on the
+    device, and nothing read on the host; ``combine`` weights the expert outputs by the scores
+    in fp32 and sums each token's ``K`` rows. One fixed-size ``all_to_all_single`` per tensor on
+    the EP mesh's group (:meth:`wire_meshes`, which ``RoutedExperts.parallelize`` calls).
+
+    Assignments over the budget are dropped from this attempt and counted on the device; the
+    step runner sees the count and reruns the step dropless (:attr:`budget`'s
+    ``dropless_block``). ``moe_expert_rank_capacity_factor=None`` is always dropless (a host
+    read per layer, nothing ever dropped).
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(LocalTokenDispatcher.Config):
+        dim: int
+        moe_expert_rank_capacity_factor: float | None = 1.25
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.dim = config.dim
+        self.capacity_factor = config.moe_expert_rank_capacity_factor
+        self.ep_mesh: Any = None
+        self._budget: StaticBudgetDispatcher | None = None
+        self.moe_config(1)  # the factor and sizes are checked now, not at the first step
+
+    def moe_config(self, ep_size: int) -> MoEConfig:
+        return MoEConfig(
+            hidden_size=self.dim,
+            num_moe_experts=self.num_experts,
+            moe_router_topk=self.top_k,
+            moe_expert_rank_capacity_factor=self.capacity_factor,
+            expert_model_parallel_size=ep_size,
+        )
+
+    def wire_meshes(self, *, ep_mesh: Any) -> None:
+        """Install the expert-parallel mesh (``None``: no expert parallelism)."""
+        if self._budget is not None:
+            raise RuntimeError("wire_meshes after the first dispatch: the exchange is built")
+        self.ep_mesh = ep_mesh
+
+    def budget(self, device: torch.device | str) -> StaticBudgetDispatcher:
+        """The underlying dispatcher (its device counters, ``dropless_block``), built on first
+        use on ``device`` with the wired mesh's group."""
+        if self._budget is None:
+            group = None
+            ep_size = 1
+            if self.ep_mesh is not None and self.ep_mesh.size() > 1:
+                group, ep_size = self.ep_mesh.get_group(), self.ep_mesh.size()
+            self._budget = StaticBudgetDispatcher(self.moe_config(ep_size), group, device=device)
+        return self._budget
+
+    def dispatch(
+        self,
+        x_TD: torch.Tensor,
+        topk_scores_TK: torch.Tensor,
+        topk_expert_ids_TK: torch.Tensor,
+        num_local_tokens_per_expert_E: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, _Metadata]:
+        del num_local_tokens_per_expert_E  # counted from the ids, on the device
+        budget = self.budget(x_TD.device)
+        routed_RD, counts_e, probs_R, handle = budget.dispatch(
+            x_TD, topk_scores_TK, topk_expert_ids_TK
+        )
+        return routed_RD, counts_e, _Metadata(handle, probs_R)
+
+    def combine(
+        self, routed_output_RD: torch.Tensor, metadata: _Metadata, x_TD: torch.Tensor
+    ) -> torch.Tensor:
+        weighted_RD = routed_output_RD.to(torch.float32) * metadata.probs_R.reshape(-1, 1)
+        out_TD = self.budget(x_TD.device).combine(
+            weighted_RD.to(routed_output_RD.dtype), metadata.handle
+        )
+        return out_TD.to(x_TD.dtype)
+
+
+class PagedRoutedExperts(RoutedExperts, PagedStashParticipant):
+    """torchtitan's ``RoutedExperts`` over :class:`StaticBudgetTokenDispatcher` and
+    :class:`PagedGroupedExperts`: the module a step runner finds (its manager and its
+    dispatcher's counters)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(RoutedExperts.Config):
+        pass
+
+    def paged_stash_managers(self) -> tuple[PagedStashManager, ...]:
+        experts = self.inner_experts
+        return experts.paged_stash_managers() if isinstance(experts, PagedStashParticipant) else ()
+
+    def budget_dispatchers(self) -> tuple[StaticBudgetDispatcher, ...]:
+        dispatcher = self.token_dispatcher
+        if not isinstance(dispatcher, StaticBudgetTokenDispatcher):
+            return ()
+        return (dispatcher.budget(_param_device(self.inner_experts)),)
+
+    def forward(
+        self,
+        x_BLD: torch.Tensor,
+        topk_scores_BLK: torch.Tensor,
+        topk_expert_ids_BLK: torch.Tensor,
+        num_local_tokens_per_expert_E: torch.Tensor,
+    ) -> torch.Tensor:
+        if isinstance(self.inner_experts, PagedGroupedExperts):
+            # Balanced rows per rank: every local token's K assignments (EP ranks hold equal
+            # token counts, so each receives T·K when the routing is balanced).
+            tokens = x_BLD.shape[0] * x_BLD.shape[1]
+            self.inner_experts.balanced_rows = tokens * topk_scores_BLK.shape[-1]
+        return super().forward(
+            x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_local_tokens_per_expert_E
+        )
+
+
+def _param_device(module: nn.Module) -> torch.device:
+    for p in module.parameters():
+        return p.to_local().device if isinstance(p, DTensor) else p.device
+    return torch.device("cpu")
+
+
+# ------------------------------------------------------------------------------- conversion
+
+_STANDARD_DISPATCHERS = (LocalTokenDispatcher.Config, AllToAllTokenDispatcher.Config)
+
+
+def _check_options(options: dict[str, Any]) -> None:
+    cf = options.get("moe_expert_rank_capacity_factor")
+    if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or cf <= 0
+                           or not math.isfinite(cf)):  # fmt: skip
+        raise ValueError(f"moe_expert_rank_capacity_factor must be a positive number, got {cf!r}")
+    # te_paged's own checks of every stash knob (a manager is not built here).
+    fields = {k: options[k] for k in STASH_FIELDS if k in options}
+    fields.pop("moe_paged_stash", None)
+    if fields:
+        MoEConfig(**fields)
+
+
+def convert_moe(model_config: Any, **options: Any) -> Any:
+    """Turn every ``RoutedExperts.Config`` of a torchtitan model config into a paged-stash one
+    (in place; also returned): experts → :class:`PagedGroupedExperts`, dispatcher →
+    :class:`StaticBudgetTokenDispatcher`. ``options``: ``moe_expert_rank_capacity_factor`` and
+    the stash knobs of :data:`STASH_FIELDS`, by te_paged's names. Already converted nodes get
+    the new options. Raises ``ValueError`` for experts other than torchtitan's
+    ``GroupedExperts`` (e.g. the fused-w13 override, MXFP8) and dispatchers other than the
+    ``standard`` backend's, whose communication the static budget would replace silently."""
+    unknown = set(options) - {*STASH_FIELDS, "moe_expert_rank_capacity_factor"}
+    if unknown:
+        raise TypeError(f"unknown te_paged option(s) {sorted(unknown)}")
+    _check_options(options)
+    expert_opts = {k: v for k, v in options.items() if k in STASH_FIELDS}
+    dispatch_opts = {k: v for k, v in options.items() if k == "moe_expert_rank_capacity_factor"}
+    found = 0
+    for fqn, node, parent, attr in list(model_config.traverse(RoutedExperts.Config)):
+        found += 1
+        experts, dispatcher = node.inner_experts, node.token_dispatcher
+        if type(experts) not in (GroupedExperts.Config, PagedGroupedExperts.Config):
+            raise ValueError(
+                f"{fqn}.inner_experts is {type(experts).__qualname__}: te_paged pages "
+                "torchtitan's GroupedExperts (apply te_paged's converter before, or instead "
+                "of, converters that replace the experts)"
+            )
+        if not isinstance(dispatcher, (*_STANDARD_DISPATCHERS, StaticBudgetTokenDispatcher.Config)):
+            raise ValueError(
+                f"{fqn}.token_dispatcher is {type(dispatcher).__qualname__}: te_paged replaces "
+                "the standard dispatcher (moe_comm_backend='standard') with its static-budget "
+                "one; it does not stack on DeepEP, HybridEP or other backends"
+            )
+        new = (
+            node
+            if isinstance(node, PagedRoutedExperts.Config)
+            else derive(node, PagedRoutedExperts.Config)
+        )
+        new.inner_experts = derive(experts, PagedGroupedExperts.Config, **expert_opts)
+        if isinstance(dispatcher, StaticBudgetTokenDispatcher.Config):
+            new.token_dispatcher = derive(dispatcher, type(dispatcher), **dispatch_opts)
+        else:
+            new.token_dispatcher = derive(
+                dispatcher, StaticBudgetTokenDispatcher.Config, dim=experts.dim, **dispatch_opts
+            )
+        if parent is None:
+            return new
+        if isinstance(attr, int):
+            parent[attr] = new
+        else:
+            setattr(parent, attr, new)
+    if not found:
+        raise ValueError("the model config has no RoutedExperts (no MoE layer) to convert")
+    return model_config
+
+
+class PagedStashConverter(ModelConfigConverter):
+    """A ``ModelConfigConverter`` for ``model_registry(..., converters=[...])``:
+    ``PagedStashConverter.Config(moe_expert_rank_capacity_factor=1.25, moe_paged_stash=True,
+    ...)`` applies :func:`convert_moe` with those options."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(ModelConfigConverter.Config):
+        moe_expert_rank_capacity_factor: float | None = 1.25
+        moe_paged_stash: bool = True
+        moe_paged_stash_page_size: int = 64
+        moe_paged_stash_buffer_size_factor_cuda: float = 1.10
+        moe_paged_stash_buffer_size_factor_cpu: float = 0.0
+        moe_paged_stash_kernel_backend: str = "auto"
+
+        def stash_options(self) -> dict[str, Any]:
+            names = ("moe_expert_rank_capacity_factor", *STASH_FIELDS)
+            return {name: getattr(self, name) for name in names}
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        _check_options(config.stash_options())
+
+    def convert(self, model_config: Any) -> Any:
+        return convert_moe(model_config, **self.config.stash_options())
+
+
+def attach_paged_stash(
+    model_parts: nn.Module | list[nn.Module], device: torch.device | str | None = None
+) -> list[PagedStashManager]:
+    """Give every :class:`PagedGroupedExperts` of a built model (one module or torchtitan's
+    ``model_parts``) its stash manager: one per distinct set of stash options, shared by the
+    layers, on ``device`` (default: the experts' parameters'). Numbers the layers for the NVTX
+    ranges. Returns the managers. Experts with ``moe_paged_stash=False`` get none."""
+    parts = [model_parts] if isinstance(model_parts, nn.Module) else list(model_parts)
+    managers: dict[tuple, PagedStashManager] = {}
+    layer = 0
+    for part in parts:
+        for module in part.modules():
+            if not isinstance(module, PagedGroupedExperts):
+                continue
+            module.layer_number = layer
+            layer += 1
+            options = module.stash_options
+            if not options["moe_paged_stash"]:
+                module.manager = None
+                continue
+            where = torch.device(device) if device is not None else _param_device(module)
+            key = (where, *(options[k] for k in STASH_FIELDS))
+            if key not in managers:
+                managers[key] = PagedStashManager.from_config(MoEConfig(**{
+                    k: v for k, v in options.items() if k != "moe_paged_stash"
+                }), where)  # fmt: skip
+            module.manager = managers[key]
+    return list(managers.values())

@@ -1,0 +1,356 @@
+"""``te-paged ab --engine torchtitan``: paged stash ON vs OFF inside torchtitan's own Trainer.
+
+The model is a tiny torchtitan DeepSeek-V3 (``DeepSeekV3Model``, built by torchtitan's
+``_build_dsv3_layers``: MLA attention, ``dense_layers`` dense layers then ``layers`` MoE layers
+with a shared expert, softmax top-k routing with an aux-loss-free expert bias), FlexAttention
+swapped for torchtitan's ``ScaledDotProductAttention`` (FlexAttention has no CPU backward). Each
+run is a :class:`~te_paged.integrations.torchtitan.PagedStashTrainer` — torchtitan's Trainer,
+its FSDP2, expert parallelism on its ``ep`` mesh, AdamW, gradient clipping and the
+load-balancing hook — whose config's ``te_paged`` section turns the MoE layers into te_paged's
+(static-budget dispatcher, paged experts). OFF is the same trainer with
+``moe_paged_stash=False``. Per rank it runs the same steps OFF, then ON, from the same seed and
+data (a generator seeded by step and data-parallel rank), driving ``trainer.train_step`` itself,
+and records per step the loss, the local gradient norm, the runner's record, the peak
+activation memory and every parameter shard after the optimizer step (compared bitwise).
+
+``S`` as for the other engines: the balanced-case bytes of the tensors the stash pages at the
+capture step's peak — per MoE layer the bf16 expert input ``[T·K, D]`` and four ``[T·K, F]``
+intermediates. ``--skew`` adds that much to expert 0's routing bias on rank 0 (selection only):
+a forced over-budget rerun. On CPU the caller installs
+:mod:`te_paged.integrations.torchtitan.cpu_shims` first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from te_paged.runtime.memory import PeakMemoryMeter
+from te_paged.tools.ab import RankResult, StepResult, capturing, pool_and_s_bytes, rank_result
+from te_paged.tools.model import ModelConfig
+
+__all__ = ["TorchtitanModelConfig", "TorchtitanRun", "run_torchtitan_ab", "train", "trainer_config"]
+
+
+@dataclasses.dataclass
+class TorchtitanModelConfig(ModelConfig):
+    """The ``ab --engine torchtitan`` model and run (defaults: about a minute, 4 CPU ranks)."""
+
+    layers: int = 4  # MoE layers (the L of the reload-adjusted model)
+    dense_layers: int = 1  # dense layers first, as in DeepSeek-V3
+    experts: int = 8
+    hidden: int = 128
+    ffn: int = 256  # the experts' hidden dim
+    heads: int = 4
+    vocab: int = 512
+    seq_length: int = 128
+    micro_batch_size: int = 2
+    ep: int | None = None  # expert-parallel size; None: every rank
+    activation_checkpoint: str | None = None  # "selective" (torchtitan's per-op SAC), "full"
+    spmd_backend: str = "partial_dtensor"  # torch 2.13's FSDP2 does not take spmd_types
+    max_consecutive_fallbacks: int = 3
+    measure_memory: bool = True
+    steps: int = 3
+
+    def __post_init__(self) -> None:
+        self.tokens = self.seq_length * self.micro_batch_size  # per rank and step
+
+
+@dataclasses.dataclass
+class TorchtitanRun:
+    steps: list[StepResult]
+    params: list[list[torch.Tensor]]  # per step, this rank's shards after the optimizer step
+    grads: list[list[torch.Tensor]]  # per step, this rank's gradient shards (after clipping)
+    managers: list
+    memory_method: str = "not measured"
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _data_classes(cfg: TorchtitanModelConfig):
+    """A tokenizer and a data loader as torchtitan components (offline, seeded)."""
+    from torchtitan.components.dataloader import BaseDataLoader
+    from torchtitan.components.tokenizer import BaseTokenizer
+
+    class Tokenizer(BaseTokenizer):
+        @dataclass(kw_only=True, slots=True)
+        class Config(BaseTokenizer.Config):
+            vocab: int = 512
+
+        def __init__(self, config: Config, *, tokenizer_path: str | None = None) -> None:
+            super().__init__()
+            self.vocab, self.eos_id = config.vocab, 0
+
+        def encode(self, *args: object, **kwargs: object) -> list[int]:
+            return [1]
+
+        def decode(self, *args: object, **kwargs: object) -> str:
+            return ""
+
+        def get_vocab_size(self) -> int:
+            return self.vocab
+
+    class Loader(BaseDataLoader):
+        @dataclass(kw_only=True, slots=True)
+        class Config(BaseDataLoader.Config):
+            vocab: int = 512
+            seed: int = 0
+
+        def __init__(self, config: Config, *, dp_rank: int, seq_len: int,
+                     local_batch_size: int, **kwargs: object) -> None:  # fmt: skip
+            self.config, self.rank = config, dp_rank
+            self.seq_len, self.batch = seq_len, local_batch_size
+
+        def __iter__(self) -> Iterator:
+            step = 0
+            while True:
+                seed = (self.config.seed * 1_000_003 + step) * 1_031 + self.rank
+                g = torch.Generator().manual_seed(seed)
+                t = torch.randint(0, self.config.vocab, (self.batch, self.seq_len + 1), generator=g)
+                yield {"input": t[:, :-1]}, t[:, 1:]
+                step += 1
+
+        def state_dict(self) -> dict:
+            return {}
+
+        def load_state_dict(self, state_dict: dict) -> None:
+            pass
+
+    return Tokenizer, Loader
+
+
+def model_spec(cfg: TorchtitanModelConfig):
+    """torchtitan's ``ModelSpec`` of the tiny DeepSeek-V3 (torchtitan's own MoE layers)."""
+    from torchtitan.components.optimizer import register_moe_load_balancing_hook
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
+    from torchtitan.models.deepseek_v3 import (
+        _EMBEDDING_INIT,
+        _NORM_INIT,
+        DeepSeekV3Model,
+        _build_dsv3_layers,
+        _output_linear_init,
+        parallelize_deepseekv3,
+    )
+    from torchtitan.protocols.model_spec import ModelSpec
+
+    rope = 16
+    layers = _build_dsv3_layers(
+        n_layers=cfg.dense_layers + cfg.layers,
+        n_dense_layers=cfg.dense_layers,
+        dim=cfg.hidden,
+        n_heads=cfg.heads,
+        q_lora_rank=0,
+        kv_lora_rank=cfg.hidden // 2,
+        qk_nope_head_dim=cfg.hidden // cfg.heads,
+        qk_rope_head_dim=rope,
+        v_head_dim=cfg.hidden // cfg.heads,
+        mscale=1.0,
+        dense_hidden_dim=2 * cfg.ffn,
+        moe_hidden_dim=cfg.ffn,
+        num_experts=cfg.experts,
+        num_shared_experts=1,
+        router_top_k=cfg.topk,
+        router_score_func="softmax",
+        attn_backend="flex",
+        moe_comm_backend="standard",
+        non_blocking_capacity_factor=None,
+        rope=ComplexRoPE.Config(dim=rope, max_seq_len=cfg.seq_length, theta=10000.0),
+    )
+    model = DeepSeekV3Model.Config(
+        vocab_size=cfg.vocab,
+        dim=cfg.hidden,
+        tok_embeddings=Embedding.Config(
+            num_embeddings=cfg.vocab, embedding_dim=cfg.hidden, param_init=_EMBEDDING_INIT
+        ),
+        norm=RMSNorm.Config(normalized_shape=cfg.hidden, param_init=_NORM_INIT),
+        lm_head=Linear.Config(
+            in_features=cfg.hidden,
+            out_features=cfg.vocab,
+            param_init=_output_linear_init(cfg.hidden),
+        ),
+        layers=layers,
+        mtp_layers=[],
+    )
+    for _fqn, _node, parent, attr in list(model.traverse(FlexAttention.Config)):
+        setattr(parent, attr, ScaledDotProductAttention.Config())
+    return ModelSpec(
+        name="deepseek_v3",
+        flavor="te-paged-ab",
+        model=model,
+        parallelize_fn=parallelize_deepseekv3,
+        pipelining_fn=None,
+        post_optimizer_build_fn=register_moe_load_balancing_hook,
+        state_dict_adapter=None,
+    )
+
+
+def trainer_config(cfg: TorchtitanModelConfig, paged: bool, world: int, dump_folder: str):
+    """``PagedStashTrainer.Config`` of one run (``paged``: the stash ON)."""
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.components.metrics import MetricsProcessor
+    from torchtitan.components.optimizer import default_adamw
+    from torchtitan.config import DebugConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    from te_paged.integrations.torchtitan.trainer import PagedStashTrainer, TePagedConfig
+
+    tokenizer, loader = _data_classes(cfg)
+    ac = {None: None, "selective": SelectiveAC.Config(), "full": FullAC.Config()}
+    return PagedStashTrainer.Config(
+        model_spec=model_spec(cfg),
+        tokenizer=tokenizer.Config(vocab=cfg.vocab),
+        dataloader=loader.Config(vocab=cfg.vocab, seed=cfg.seed),
+        loss=CrossEntropyLoss.Config(global_vocab_size=cfg.vocab),
+        optimizer=default_adamw(lr=1e-3),
+        metrics=MetricsProcessor.Config(log_freq=10**9),
+        training=TrainingConfig(
+            local_batch_size=cfg.micro_batch_size,
+            seq_len=cfg.seq_length,
+            steps=cfg.steps,
+            disable_cuda_graphs=True,
+            max_norm=1.0,
+        ),
+        parallelism=ParallelismConfig(
+            spmd_backend=cfg.spmd_backend if world > 1 else "spmd_types",
+            expert_parallel_degree=cfg.ep or world,
+        ),
+        activation_checkpoint=ac[cfg.activation_checkpoint],
+        debug=DebugConfig(seed=cfg.seed),
+        dump_folder=dump_folder,
+        te_paged=TePagedConfig(
+            moe_expert_rank_capacity_factor=cfg.capacity_factor,
+            moe_paged_stash=paged,
+            moe_paged_stash_page_size=cfg.page_size,
+            moe_paged_stash_buffer_size_factor_cuda=cfg.buffer_factor_cuda,
+            moe_paged_stash_buffer_size_factor_cpu=cfg.buffer_factor_cpu,
+            moe_paged_stash_kernel_backend=cfg.kernel_backend,
+            grow_pool=cfg.grow_pool,
+            max_consecutive_fallbacks=cfg.max_consecutive_fallbacks,
+        ),
+    )
+
+
+def _skew(trainer, amount: float) -> None:
+    """Add ``amount`` to expert 0's routing bias in every MoE layer of this rank."""
+    with torch.no_grad():
+        for module in trainer.model_parts[0].modules():
+            bias = getattr(module, "expert_bias_E", None)
+            if isinstance(bias, torch.Tensor) and hasattr(module, "router"):
+                _local(bias)[0] += amount
+
+
+def train(
+    cfg: TorchtitanModelConfig,
+    paged: bool,
+    device: torch.device,
+    progress: Callable[[str], None] | None = None,
+) -> TorchtitanRun:
+    """``cfg.steps`` steps of a fresh :class:`PagedStashTrainer` on this rank."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    os.environ.setdefault("LOCAL_RANK", str(rank if device.type == "cuda" else 0))
+    with tempfile.TemporaryDirectory(prefix="te-paged-torchtitan-") as dump:
+        trainer = trainer_config(cfg, paged, world, dump).build()
+        try:
+            if cfg.skew and rank == 0:
+                _skew(trainer, cfg.skew)
+            run = TorchtitanRun([], [], [], trainer.paged_stash_managers)
+            data = trainer.batch_generator(trainer.dataloader)
+            runner = trainer.paged_stash_runner
+            params = [p for m in trainer.model_parts for p in m.parameters()]
+            for step in range(cfg.steps):
+                trainer.step = step + 1
+                for manager in runner.managers:
+                    manager.reset()  # allocates the pool after the capture step: unmeasured
+                capture = capturing(runner.managers)
+                meter = PeakMemoryMeter(device) if cfg.measure_memory else None
+                with meter if meter is not None else contextlib.nullcontext():
+                    runner.before_rerun = None if meter is None else meter.new_iteration
+                    trainer.train_step(data)
+                record = trainer.last_record
+                grads = [_local(p.grad).detach().cpu().clone()
+                         for p in params if p.grad is not None]  # fmt: skip
+                norm = torch.linalg.vector_norm(torch.stack([g.float().norm() for g in grads]))
+                run.grads.append(grads)
+                run.params.append([_local(p).detach().cpu().clone() for p in params])
+                loss = torch.stack([x.detach().float() for x in trainer.last_losses]).sum()
+                pool, s_bytes = pool_and_s_bytes(runner.managers)
+                stats = [m.stats() for m in runner.managers]
+                run.steps.append(
+                    StepResult(
+                        float(loss),
+                        float(norm),
+                        record.attempt,
+                        record.enabled,
+                        record.stash_overflow_ranks,
+                        record.overbudget_ranks,
+                        record.host_spill_ranks,
+                        meter.report.peak_bytes if meter else 0,
+                        dataclasses.asdict(record),
+                        capture,
+                        pool,
+                        s_bytes,
+                        sum(s.stashes for s in stats),
+                        sum(s.pops for s in stats),
+                    )
+                )
+                run.memory_method = meter.report.method if meter else "not measured"
+                if progress is not None:
+                    progress(f"torchtitan {'ON ' if paged else 'OFF'} step {step + 1}/{cfg.steps}")
+        finally:
+            trainer.close()
+    return run
+
+
+def run_torchtitan_ab(
+    cfg: TorchtitanModelConfig,
+    device: torch.device | str = "cpu",
+    progress: Callable[[str], None] | None = None,
+) -> RankResult:
+    """OFF then ON on this rank of an initialised process group."""
+    device = torch.device(device)
+    off = train(cfg, False, device, progress)
+    on = train(cfg, True, device, progress)
+
+    def same(x: list[torch.Tensor], y: list[torch.Tensor]) -> bool:
+        return len(x) == len(y) and all(torch.equal(u, v) for u, v in zip(x, y))
+
+    equal = [
+        same(pa, pb) and same(ga, gb)
+        for pa, pb, ga, gb in zip(on.params, off.params, on.grads, off.grads)
+    ]
+    host = sum(m.stats().host_pool_bytes for m in on.managers)
+    reloads = max((m.reload_layers for m in on.managers), default=1)
+    return rank_result(
+        dist.get_rank(), on.steps, off.steps, equal, host, on.memory_method, [],
+        reload_layers=reloads,
+    )  # fmt: skip
+
+
+def quiet_torchtitan() -> None:
+    """Keep the table readable: torchtitan's INFO log (one line per component built, twice per
+    rank), its notes on this CPU machine (no ``lspci``, peak FLOPs of an A100 assumed, CPU
+    autocast disabled in the router) and DTensor's RNG notes."""
+    import logging
+    import warnings
+
+    from torchtitan.tools.logging import logger
+
+    logger.setLevel(logging.WARNING)
+    for message in (
+        ".*CPU Autocast only supports.*",
+        ".*is_rng_supported_mesh.*",
+        ".*_rng_tracker.*",
+        ".*manual_seed.*",
+    ):
+        warnings.filterwarnings("ignore", message=message)
