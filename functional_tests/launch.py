@@ -13,7 +13,9 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def torchrun(args: list[str], *, nproc: int, timeout_s: int, env: dict | None = None) -> str:
+def torchrun(
+    args: list[str], *, nproc: int, timeout_s: int, env: dict | None = None, cwd=None
+) -> str:
     """``python -m torch.distributed.run --standalone --nproc_per_node=N *args``; its output.
 
     Fails the test on a non-zero exit or after ``timeout_s``. The launcher runs in a session of
@@ -36,7 +38,7 @@ def torchrun(args: list[str], *, nproc: int, timeout_s: int, env: dict | None = 
     }
     proc = subprocess.Popen(
         cmd,
-        cwd=REPO_ROOT,
+        cwd=REPO_ROOT if cwd is None else cwd,
         env=full_env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -391,6 +391,48 @@ def test_ab_engine_megatron_default_model_is_bitwise_and_saves_memory(tmp_path) 
     assert memory["measured_over_reload_adjusted"] >= 0.95, memory
 
 
+def test_ab_engine_torchtitan_default_model_is_bitwise_and_saves_memory(tmp_path) -> None:
+    # torchtitan's Trainer and DeepSeek-V3 on 4 spawned ranks (EP 4): the saving must reach
+    # 0.95 of the reload-adjusted model (cf − bf − cf/L) × S.
+    js = tmp_path / "ab.json"
+    proc = te_paged("ab", "--engine", "torchtitan", "--json", str(js))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.startswith("torchtitan 0.3.0\n") and "bitwise equal" in proc.stdout
+    assert "Traceback" not in proc.stderr
+    data = check_record(js)  # strict JSON, valid against the schema
+    assert data["engine"] == "torchtitan" and data["world_size"] == 4
+    assert data["torchtitan_version"] == "0.3.0" and data["config"]["ep"] is None
+    assert data["memory"]["step"] == 2 and "| 2 (paged) |" in proc.stdout
+    for rank in data["ranks"]:
+        assert all(rank["grads_equal"]), rank["grads_equal"]  # every shard, every step
+        assert [s["loss"] for s in rank["on"]] == [s["loss"] for s in rank["off"]]
+        assert rank["stashes"] > 0 and rank["stashes"] == rank["pops"]
+    memory = data["memory"]
+    assert memory["S_bytes"] > 0 and memory["pool_bytes"] > 0
+    assert memory["measured_over_reload_adjusted"] >= 0.95, memory
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--fp8", "mxfp8"], "--fp8: not available with --engine torchtitan"),
+        (["--tokens", "64"], "--tokens: not available with --engine torchtitan"),
+        (["--ep", "3"], "--ep 3 does not divide the 4 ranks"),
+        (["--experts", "6", "--ep", "4"], "6 experts do not split evenly over --ep 4"),
+        (["--steps", "1"], "--steps 1"),
+    ],
+)
+def test_ab_engine_torchtitan_refuses_what_it_cannot_run(args, message) -> None:
+    proc = te_paged("ab", "--engine", "torchtitan", *args)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_activation_checkpoint_is_torchtitans_flag_only() -> None:
+    proc = te_paged("ab", "--activation-checkpoint", "full")
+    assert proc.returncode == 2 and "only with --engine torchtitan" in proc.stderr, proc.stderr
+
+
 def test_ab_engine_megatron_forced_reruns_stay_bitwise(tmp_path) -> None:
     js = tmp_path / "ab.json"
     small = ["--layers", "2", "--hidden", "64", "--ffn", "128", "--seq-length", "32"]

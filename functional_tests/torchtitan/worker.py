@@ -21,7 +21,6 @@ Each rank writes ``rank<r>.json``: per case, per step, the flags and whether it 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys

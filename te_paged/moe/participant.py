@@ -34,6 +34,11 @@ class PagedStashParticipant(abc.ABC):  # noqa: B024 - a marker protocol with def
         """The static-budget dispatchers this module routes through."""
         return ()
 
+    def attach_runner(self, runner: object) -> None:  # noqa: B027 - optional, default none
+        """Called by a step runner built over a model holding this module (default: nothing).
+        A module whose static budget drops tokens can refuse to train without one, which
+        would keep a step that dropped them."""
+
     def invalid_count_flags(self) -> tuple[torch.Tensor, ...]:
         """Device counters (int64 0-dim) of inputs this module found invalid without a host read
         (token counts that are negative or exceed the buffer). The runner zeroes them at each

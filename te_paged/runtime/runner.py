@@ -69,7 +69,7 @@ from torch import nn
 from te_paged.config.checks import require_bool, require_int, require_real
 from te_paged.kernels.layout import Flag, State
 from te_paged.moe import MoELayer, StaticBudgetDispatcher
-from te_paged.moe.participant import Participants, find_participants
+from te_paged.moe.participant import PagedStashParticipant, Participants, find_participants
 from te_paged.runtime.memory import measure_peak
 from te_paged.runtime.planner import RoutingProfile
 from te_paged.runtime.step_state import ModuleState, ModuleStateSnapshot
@@ -267,6 +267,10 @@ class PagedStashRunner:
                 "model has no paged-stash participant (no TEGroupedMLP, MoELayer or other "
                 "PagedStashParticipant module) and no manager was given"
             )
+        for chunk in self.chunks:
+            for module in chunk.modules():
+                if isinstance(module, PagedStashParticipant):
+                    module.attach_runner(self)
         self.group = group
         self.max_consecutive_fallbacks = max_consecutive_fallbacks
         self.grow_pool = grow_pool

@@ -151,8 +151,9 @@ class _Scope:
     avg_num_tokens: int
     layer: int | None  # names the NVTX ranges of the tensors paged in this scope
     group: _Group | None = None  # with stream overlap: the look-ahead's view of this scope
-    #: id(tensor) -> (weak reference, version, handle) of what this scope paged: a tensor that
-    #: two ops save (torchtitan's experts feed one input to two grouped GEMMs) is paged once.
+    #: (storage, offset, shape, strides, dtype) -> (weak reference, version, handle) of what
+    #: this scope paged: bytes two ops save (torchtitan's experts feed one input to two
+    #: grouped GEMMs) are paged once.
     paged: dict = dataclasses.field(default_factory=dict)
 
 
@@ -685,11 +686,14 @@ class PagedStashManager:
         if is_checkpoint_without_output_tensor(t):
             return t  # recompute owns this storage (and every view of it)
         self._check_device("a marked saved tensor", t)
-        seen = scope.paged.get(id(t))
-        if seen is not None and seen[0]() is t and seen[1] == t._version:
-            return seen[2]  # the same tensor, unchanged since: one copy serves both
+        # The same bytes saved again (the same tensor, or a view with its layout) while the
+        # tensor paged first is alive, so its storage is: one copy serves both.
+        layout = (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
+        seen = scope.paged.get(layout)
+        if seen is not None and seen[0]() is not None and seen[1] == t._version:
+            return seen[2]
         handle = self._pack_new(t, kind, scope)
-        scope.paged[id(t)] = (weakref.ref(t), t._version, handle)
+        scope.paged[layout] = (weakref.ref(t), t._version, handle)
         return handle
 
     def _pack_new(self, t: torch.Tensor, kind: MarkerKind, scope: _Scope) -> object:

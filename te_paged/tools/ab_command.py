@@ -200,13 +200,13 @@ def check_ab_args(args: argparse.Namespace) -> str | None:
         return _check_torchtitan_args(args)
     megatron = args.engine == "megatron"
     args.device = _resolve_device(args.device, *_world(args))
+    if args.activation_checkpoint is not None:
+        return "--activation-checkpoint: only with --engine torchtitan"
     if not megatron:
         given = [f"--{n.replace('_', '-')}" for n in _MEGATRON_ONLY if getattr(args, n) not in
                  (None, False)]  # fmt: skip
         if given:
             return f"{', '.join(given)}: only with --engine megatron"
-    if args.activation_checkpoint is not None:
-        return "--activation-checkpoint: only with --engine torchtitan"
     elif args.tokens is not None:
         return (
             "--tokens: not with --engine megatron, whose tokens per rank are --seq-length x "

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import tempfile
 from collections.abc import Callable, Iterator
@@ -37,7 +38,16 @@ from te_paged.runtime.memory import PeakMemoryMeter
 from te_paged.tools.ab import RankResult, StepResult, capturing, pool_and_s_bytes, rank_result
 from te_paged.tools.model import ModelConfig
 
-__all__ = ["TorchtitanModelConfig", "TorchtitanRun", "run_torchtitan_ab", "train", "trainer_config"]
+__all__ = [
+    "TorchtitanModelConfig",
+    "TorchtitanRun",
+    "model_spec",
+    "offline_data",
+    "quiet_torchtitan",
+    "run_torchtitan_ab",
+    "train",
+    "trainer_config",
+]
 
 
 @dataclasses.dataclass
@@ -77,7 +87,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _data_classes(cfg: TorchtitanModelConfig):
+def offline_data(vocab: int, seed: int = 0):
+    """``(tokenizer config, data loader config)``: torchtitan components that need no files or
+    network (random token ids seeded by step and data-parallel rank), for the ``ab`` engine,
+    the tests and docs/torchtitan.md's example; a job uses its own tokenizer and dataset."""
+    tokenizer, loader = _data_classes()
+    return tokenizer.Config(vocab=vocab), loader.Config(vocab=vocab, seed=seed)
+
+
+@functools.cache
+def _data_classes():
     """A tokenizer and a data loader as torchtitan components (offline, seeded)."""
     from torchtitan.components.dataloader import BaseDataLoader
     from torchtitan.components.tokenizer import BaseTokenizer
@@ -205,12 +224,12 @@ def trainer_config(cfg: TorchtitanModelConfig, paged: bool, world: int, dump_fol
 
     from te_paged.integrations.torchtitan.trainer import PagedStashTrainer, TePagedConfig
 
-    tokenizer, loader = _data_classes(cfg)
+    tokenizer, loader = offline_data(cfg.vocab, cfg.seed)
     ac = {None: None, "selective": SelectiveAC.Config(), "full": FullAC.Config()}
     return PagedStashTrainer.Config(
         model_spec=model_spec(cfg),
-        tokenizer=tokenizer.Config(vocab=cfg.vocab),
-        dataloader=loader.Config(vocab=cfg.vocab, seed=cfg.seed),
+        tokenizer=tokenizer,
+        dataloader=loader,
         loss=CrossEntropyLoss.Config(global_vocab_size=cfg.vocab),
         optimizer=default_adamw(lr=1e-3),
         metrics=MetricsProcessor.Config(log_freq=10**9),

@@ -56,6 +56,7 @@ __all__ = [
     "StaticBudgetTokenDispatcher",
     "attach_paged_stash",
     "convert_moe",
+    "convert_node",
 ]
 
 #: te_paged's knobs (the names of its MoE config and of Megatron's fields) with their defaults.
@@ -74,8 +75,9 @@ class PagedGroupedExperts(GroupedExperts, PagedStashParticipant):
 
     Same parameters, same ``forward(x_RD, num_tokens_per_expert_E)`` and the same arithmetic
     as ``GroupedExperts.forward`` (bf16 grouped GEMMs through the ``_grouped_mm`` seam, so a
-    low-precision ``_grouped_mm`` of a subclass composes), bit for bit: the input is cast to
-    bf16 once instead of twice. Inside the manager's scope the bf16 input and the four
+    low-precision ``_grouped_mm`` of a subclass composes), bit for bit in forward and
+    backward; the bf16 copy of the input is made once instead of twice (its two gradients are
+    still summed in the input's dtype). Inside the manager's scope the bf16 input and the four
     ``[R, F]`` intermediates autograd saves are marked, so the stash keeps their actual rows
     (``sum(num_tokens_per_expert_E)``, read on the device) in its shared pool.
 
@@ -132,14 +134,17 @@ class PagedGroupedExperts(GroupedExperts, PagedStashParticipant):
         w1_EFD, w2_EDF, w3_EFD = self._weights()
         offsets_E = torch.cumsum(counts_e, dim=0, dtype=torch.int32)
         # A mark must be set before the op that saves the tensor runs (its pack hook reads it).
-        x_bf = x_RD.bfloat16()
+        # GroupedExperts casts x to bf16 once per GEMM: two copies, two gradients summed in x's
+        # dtype. _TwoCasts gives the same two gradients from one copy (and a view of it), which
+        # the stash pages once.
+        x1_bf, x3_bf = _TwoCasts.apply(x_RD) if x_RD.dtype != torch.bfloat16 else (x_RD, x_RD)
         if mark:
-            mark_grouped_tensor(x_bf)  # saved by both grouped GEMMs below, paged once
-        g1_RF = self._grouped_mm(A=x_bf, B_t=w1_EFD.bfloat16().transpose(-2, -1), offs=offsets_E)
+            mark_grouped_tensor(x1_bf, x3_bf)
+        g1_RF = self._grouped_mm(A=x1_bf, B_t=w1_EFD.bfloat16().transpose(-2, -1), offs=offsets_E)
         if mark:
             mark_grouped_tensor(g1_RF)  # saved by silu
         s_RF = F.silu(g1_RF)
-        g3_RF = self._grouped_mm(A=x_bf, B_t=w3_EFD.bfloat16().transpose(-2, -1), offs=offsets_E)
+        g3_RF = self._grouped_mm(A=x3_bf, B_t=w3_EFD.bfloat16().transpose(-2, -1), offs=offsets_E)
         if mark:
             mark_grouped_tensor(s_RF, g3_RF)  # saved by the product
         h_RF = s_RF * g3_RF
@@ -147,6 +152,21 @@ class PagedGroupedExperts(GroupedExperts, PagedStashParticipant):
             mark_grouped_tensor(h_RF)  # saved by the last grouped GEMM
         out = self._grouped_mm(A=h_RF, B_t=w2_EDF.bfloat16().transpose(-2, -1), offs=offsets_E)
         return out.type_as(x_RD)
+
+
+class _TwoCasts(torch.autograd.Function):
+    """``(x.bfloat16(), the same bf16 tensor as a view)``; backward casts each gradient to x's
+    dtype and adds them, as autograd does for two separate casts."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.dtype = x.dtype
+        x_bf = x.to(torch.bfloat16)
+        return x_bf, x_bf.view_as(x_bf)
+
+    @staticmethod
+    def backward(ctx, d1: torch.Tensor, d3: torch.Tensor) -> torch.Tensor:
+        return d1.to(ctx.dtype) + d3.to(ctx.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,6 +249,9 @@ class StaticBudgetTokenDispatcher(LocalTokenDispatcher):
     def combine(
         self, routed_output_RD: torch.Tensor, metadata: _Metadata, x_TD: torch.Tensor
     ) -> torch.Tensor:
+        # Rows past the last group are uninitialised (torch._grouped_mm writes nothing there; NaN
+        # possible). The combine reads only each assignment's own row, and in backward their
+        # score gradients land on the exchange's dummy slot, which feeds nothing.
         weighted_RD = routed_output_RD.to(torch.float32) * metadata.probs_R.reshape(-1, 1)
         out_TD = self.budget(x_TD.device).combine(
             weighted_RD.to(routed_output_RD.dtype), metadata.handle
@@ -244,6 +267,12 @@ class PagedRoutedExperts(RoutedExperts, PagedStashParticipant):
     @dataclass(kw_only=True, slots=True)
     class Config(RoutedExperts.Config):
         pass
+
+    #: Set when a step runner drives this layer (:meth:`attach_runner`).
+    runner: object | None = None
+
+    def attach_runner(self, runner: object) -> None:
+        self.runner = runner
 
     def paged_stash_managers(self) -> tuple[PagedStashManager, ...]:
         experts = self.inner_experts
@@ -262,6 +291,17 @@ class PagedRoutedExperts(RoutedExperts, PagedStashParticipant):
         topk_expert_ids_BLK: torch.Tensor,
         num_local_tokens_per_expert_E: torch.Tensor,
     ) -> torch.Tensor:
+        dispatcher = self.token_dispatcher
+        budgeted = isinstance(dispatcher, StaticBudgetTokenDispatcher) and (
+            dispatcher.capacity_factor is not None
+        )
+        if budgeted and self.runner is None and torch.is_grad_enabled() and self.training:
+            raise RuntimeError(
+                "te_paged's MoE layer is training without a step runner: its static budget "
+                "drops the tokens over it, and only a runner sees that and reruns the step. "
+                "Train with te_paged.integrations.torchtitan.PagedStashTrainer (or build a "
+                "PagedStashRunner over the model and run each step through it)"
+            )
         if isinstance(self.inner_experts, PagedGroupedExperts):
             # Balanced rows per rank: every local token's K assignments (EP ranks hold equal
             # token counts, so each receives T·K when the routing is balanced).
@@ -295,6 +335,43 @@ def _check_options(options: dict[str, Any]) -> None:
         MoEConfig(**fields)
 
 
+def convert_node(node: Any, *, fqn: str = "routed_experts", **options: Any) -> Any:
+    """One ``RoutedExperts.Config`` as a :class:`PagedRoutedExperts.Config` (a new node; an
+    already converted one gets the options); see :func:`convert_moe`."""
+    unknown = set(options) - {*STASH_FIELDS, "moe_expert_rank_capacity_factor"}
+    if unknown:
+        raise TypeError(f"unknown te_paged option(s) {sorted(unknown)}")
+    _check_options(options)
+    expert_opts = {k: v for k, v in options.items() if k in STASH_FIELDS}
+    dispatch_opts = {k: v for k, v in options.items() if k == "moe_expert_rank_capacity_factor"}
+    experts, dispatcher = node.inner_experts, node.token_dispatcher
+    if type(experts) not in (GroupedExperts.Config, PagedGroupedExperts.Config):
+        raise ValueError(
+            f"{fqn}.inner_experts is {type(experts).__qualname__}: te_paged pages "
+            "torchtitan's GroupedExperts (apply te_paged's converter before, or instead "
+            "of, converters that replace the experts)"
+        )
+    if type(dispatcher) not in (*_STANDARD_DISPATCHERS, StaticBudgetTokenDispatcher.Config):
+        raise ValueError(
+            f"{fqn}.token_dispatcher is {type(dispatcher).__qualname__}: te_paged replaces "
+            "the standard dispatcher (moe_comm_backend='standard') with its static-budget "
+            "one; it does not stack on DeepEP, HybridEP or other backends"
+        )
+    new = (
+        node
+        if isinstance(node, PagedRoutedExperts.Config)
+        else derive(node, PagedRoutedExperts.Config)
+    )
+    new.inner_experts = derive(experts, PagedGroupedExperts.Config, **expert_opts)
+    if isinstance(dispatcher, StaticBudgetTokenDispatcher.Config):
+        new.token_dispatcher = derive(dispatcher, type(dispatcher), **dispatch_opts)
+    else:
+        new.token_dispatcher = derive(
+            dispatcher, StaticBudgetTokenDispatcher.Config, dim=experts.dim, **dispatch_opts
+        )
+    return new
+
+
 def convert_moe(model_config: Any, **options: Any) -> Any:
     """Turn every ``RoutedExperts.Config`` of a torchtitan model config into a paged-stash one
     (in place; also returned): experts → :class:`PagedGroupedExperts`, dispatcher →
@@ -303,40 +380,10 @@ def convert_moe(model_config: Any, **options: Any) -> Any:
     the new options. Raises ``ValueError`` for experts other than torchtitan's
     ``GroupedExperts`` (e.g. the fused-w13 override, MXFP8) and dispatchers other than the
     ``standard`` backend's, whose communication the static budget would replace silently."""
-    unknown = set(options) - {*STASH_FIELDS, "moe_expert_rank_capacity_factor"}
-    if unknown:
-        raise TypeError(f"unknown te_paged option(s) {sorted(unknown)}")
-    _check_options(options)
-    expert_opts = {k: v for k, v in options.items() if k in STASH_FIELDS}
-    dispatch_opts = {k: v for k, v in options.items() if k == "moe_expert_rank_capacity_factor"}
     found = 0
     for fqn, node, parent, attr in list(model_config.traverse(RoutedExperts.Config)):
         found += 1
-        experts, dispatcher = node.inner_experts, node.token_dispatcher
-        if type(experts) not in (GroupedExperts.Config, PagedGroupedExperts.Config):
-            raise ValueError(
-                f"{fqn}.inner_experts is {type(experts).__qualname__}: te_paged pages "
-                "torchtitan's GroupedExperts (apply te_paged's converter before, or instead "
-                "of, converters that replace the experts)"
-            )
-        if not isinstance(dispatcher, (*_STANDARD_DISPATCHERS, StaticBudgetTokenDispatcher.Config)):
-            raise ValueError(
-                f"{fqn}.token_dispatcher is {type(dispatcher).__qualname__}: te_paged replaces "
-                "the standard dispatcher (moe_comm_backend='standard') with its static-budget "
-                "one; it does not stack on DeepEP, HybridEP or other backends"
-            )
-        new = (
-            node
-            if isinstance(node, PagedRoutedExperts.Config)
-            else derive(node, PagedRoutedExperts.Config)
-        )
-        new.inner_experts = derive(experts, PagedGroupedExperts.Config, **expert_opts)
-        if isinstance(dispatcher, StaticBudgetTokenDispatcher.Config):
-            new.token_dispatcher = derive(dispatcher, type(dispatcher), **dispatch_opts)
-        else:
-            new.token_dispatcher = derive(
-                dispatcher, StaticBudgetTokenDispatcher.Config, dim=experts.dim, **dispatch_opts
-            )
+        new = convert_node(node, fqn=fqn, **options)
         if parent is None:
             return new
         if isinstance(attr, int):
