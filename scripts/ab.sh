@@ -8,9 +8,7 @@ case " $* " in *" --engine jax "* | *" --engine=jax "*) extras=plot,jax ;; esac 
 case " $* " in  # megatron-core 0.19.2 (and 0.16.1), pinned, next to the pinned torch
   *" --engine megatron "* | *" --engine=megatron "*) source scripts/megatron.sh ;;
 esac
-case " $* " in  # torchtitan 0.3.0; the constraint keeps its dependencies off the pinned torch
-  *" --engine torchtitan "* | *" --engine=torchtitan "*)
-    "$PY" -m pip install -q --disable-pip-version-check -c <(echo torch==2.13.0) \
-      torchtitan==0.3.0 triton ;;
+case " $* " in  # torchtitan 0.3.0, next to the pinned torch
+  *" --engine torchtitan "* | *" --engine=torchtitan "*) source scripts/torchtitan.sh ;;
 esac
 exec "$VENV/bin/te-paged" ab "$@"

@@ -6,11 +6,7 @@ source "$(dirname "$0")/env.sh"
 # Megatron-core 0.19.2 and 0.16.1 for the integration tests, pinned; --no-deps keeps them from
 # touching torch.
 source scripts/megatron.sh  # env.sh cd-ed to the repository root
-# torchtitan 0.3.0 for its integration tests (it declares no torch requirement; the constraint
-# keeps any dependency from replacing the pinned CPU torch). triton: its MoE import chain needs
-# it without declaring it.
-"$PY" -m pip install -q --disable-pip-version-check -c <(echo torch==2.13.0) \
-  torchtitan==0.3.0 triton
+source scripts/torchtitan.sh  # torchtitan 0.3.0, for its integration tests
 "$VENV/bin/ruff" check .
 "$VENV/bin/ruff" format --check .
 exec "$PY" -m pytest -q "$@"

@@ -239,3 +239,28 @@ def test_qwen3_moe_converts_and_builds():
         model = spec.model.build()
     routed = [m for m in model.modules() if isinstance(m, PagedRoutedExperts)]
     assert routed and all(isinstance(r.inner_experts, PagedGroupedExperts) for r in routed)
+
+
+def test_the_te_paged_section_is_set_from_torchtitans_command_line(tmp_path, monkeypatch):
+    (tmp_path / "my_registry.py").write_text(
+        "from te_paged.integrations.torchtitan.trainer import PagedStashTrainer\n"
+        "from te_paged.tools.torchtitan_ab import TorchtitanModelConfig, model_spec\n"
+        "from torchtitan.config import TrainingConfig\n"
+        "def tiny():\n"
+        "    spec = model_spec(TorchtitanModelConfig(layers=1, experts=4, hidden=32, ffn=32,\n"
+        "                                            heads=2, vocab=64, seq_length=16))\n"
+        "    return PagedStashTrainer.Config(\n"
+        "        model_spec=spec, training=TrainingConfig(disable_cuda_graphs=True))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from torchtitan.config import ConfigManager
+
+    from te_paged.integrations.torchtitan.trainer import PagedStashTrainer
+
+    config = ConfigManager().parse_args([
+        "--module", "my_registry", "--config", "tiny",
+        "--te_paged.moe_expert_rank_capacity_factor", "1.5", "--te_paged.no-grow-pool",
+    ])  # fmt: skip
+    assert isinstance(config, PagedStashTrainer.Config)
+    assert config.te_paged.moe_expert_rank_capacity_factor == 1.5
+    assert config.te_paged.grow_pool is False
