@@ -412,27 +412,6 @@ def test_ab_engine_torchtitan_default_model_is_bitwise_and_saves_memory(tmp_path
     assert memory["measured_over_reload_adjusted"] >= 0.95, memory
 
 
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["--fp8", "mxfp8"], "--fp8: not available with --engine torchtitan"),
-        (["--tokens", "64"], "--tokens: not available with --engine torchtitan"),
-        (["--ep", "3"], "--ep 3 does not divide the 4 ranks"),
-        (["--experts", "6", "--ep", "4"], "6 experts do not split evenly over --ep 4"),
-        (["--steps", "1"], "--steps 1"),
-    ],
-)
-def test_ab_engine_torchtitan_refuses_what_it_cannot_run(args, message) -> None:
-    proc = te_paged("ab", "--engine", "torchtitan", *args)
-    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
-    assert "Traceback" not in proc.stderr
-
-
-def test_activation_checkpoint_is_torchtitans_flag_only() -> None:
-    proc = te_paged("ab", "--activation-checkpoint", "full")
-    assert proc.returncode == 2 and "only with --engine torchtitan" in proc.stderr, proc.stderr
-
-
 def test_ab_engine_megatron_forced_reruns_stay_bitwise(tmp_path) -> None:
     js = tmp_path / "ab.json"
     small = ["--layers", "2", "--hidden", "64", "--ffn", "128", "--seq-length", "32"]
@@ -456,7 +435,7 @@ def test_ab_engine_megatron_pipeline_prints_each_stage(tmp_path) -> None:
     small = ["--layers", "4", "--hidden", "64", "--ffn", "128", "--seq-length", "32"]
     proc = te_paged(
         "ab", "--engine", "megatron", "--pipeline-parallel", "2", "--microbatches", "4", *small,
-        "--buffer-factor-cuda", "1.6", "--json", str(js),
+        "--buffer-factor-cuda", "1.6", "--steps", "2", "--json", str(js),  # capture, then paged
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "per pipeline stage" in proc.stdout and "| stage | peak ON" in proc.stdout

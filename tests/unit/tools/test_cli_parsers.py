@@ -157,6 +157,30 @@ def test_device_auto_is_the_default_and_resolved_by_the_checks(monkeypatch) -> N
     assert args.device == "cpu"
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--fp8", "mxfp8"], "--fp8: not available with --engine torchtitan"),
+        (["--tokens", "64"], "--tokens: not available with --engine torchtitan"),
+        (["--ep", "3"], "--ep 3 does not divide the 4 ranks"),
+        (["--experts", "6", "--ep", "4"], "6 experts do not split evenly over --ep 4"),
+        (["--steps", "1"], "--steps 1"),
+        (["--hidden", "30"], "not a multiple of the model's 4 heads"),
+    ],
+)
+def test_ab_engine_torchtitan_refuses_what_it_cannot_run(monkeypatch, argv, message) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = cli._parser().parse_args(["ab", "--engine", "torchtitan", *argv])
+    assert message in (ab_command.check_ab_args(args) or "")
+
+
+@pytest.mark.parametrize("engine", ["default", "megatron", "jax"])
+def test_activation_checkpoint_is_torchtitans_flag_only(monkeypatch, engine) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = cli._parser().parse_args(["ab", "--engine", engine, "--activation-checkpoint", "full"])
+    assert "--activation-checkpoint" in (ab_command.check_ab_args(args) or "")
+
+
 class _Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True
