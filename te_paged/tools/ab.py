@@ -25,7 +25,7 @@ from te_paged.runtime.memory import (
     reload_adjusted_saving,
 )
 from te_paged.runtime.planner import RoutingProfile
-from te_paged.runtime.runner import PagedStashRunner
+from te_paged.runtime.runner import PagedStashRunner, StepRecord
 from te_paged.stash import PagedStashManager, StashMode
 from te_paged.tools.model import ModelConfig, ToyMoEModel, make_batch
 
@@ -41,6 +41,7 @@ __all__ = [
     "rank_result",
     "run_ab",
     "step_label",
+    "step_result",
 ]
 
 
@@ -201,6 +202,36 @@ def pool_and_s_bytes(managers: list[PagedStashManager]) -> tuple[int, int]:
     return pool, s_bytes
 
 
+def step_result(
+    loss: float | torch.Tensor,
+    grad_norm: float | torch.Tensor,
+    record: StepRecord,
+    peak_bytes: int,
+    capture: bool,
+    managers: list[PagedStashManager],
+) -> StepResult:
+    """One step's :class:`StepResult` from the runner's record and the managers as they are
+    after the step (pool, ``S``, stash copies and pops)."""
+    pool, s_bytes = pool_and_s_bytes(managers)
+    stats = [m.stats() for m in managers]
+    return StepResult(
+        float(loss),
+        float(grad_norm),
+        record.attempt,
+        record.enabled,
+        record.stash_overflow_ranks,
+        record.overbudget_ranks,
+        record.host_spill_ranks,
+        peak_bytes,
+        dataclasses.asdict(record),
+        capture,
+        pool,
+        s_bytes,
+        sum(s.stashes for s in stats),
+        sum(s.pops for s in stats),
+    )
+
+
 def capturing(managers: list[PagedStashManager]) -> bool:
     """Whether the step about to run (after ``reset()``) is a capture step."""
     return any(m.enabled and m.mode is StashMode.CAPTURE for m in managers)
@@ -254,26 +285,7 @@ def _run(
         mem = meter.report
         grads.append(_grad_vector(model))
         norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads[-1]]))
-        pool, s_bytes = pool_and_s_bytes(managers)
-        stats = model.manager.stats() if model.manager is not None else None
-        steps.append(
-            StepResult(
-                float(loss),
-                float(norm),
-                record.attempt,
-                record.enabled,
-                record.stash_overflow_ranks,
-                record.overbudget_ranks,
-                record.host_spill_ranks,
-                mem.peak_bytes,
-                dataclasses.asdict(record),
-                capture,
-                pool,
-                s_bytes,
-                stats.stashes if stats is not None else 0,
-                stats.pops if stats is not None else 0,
-            )
-        )
+        steps.append(step_result(loss, norm, record, mem.peak_bytes, capture, managers))
         if progress is not None:
             progress(f"{'ON ' if paged else 'OFF'} step {step + 1}/{cfg.steps}")
     return steps, grads, model, runner, mem.method

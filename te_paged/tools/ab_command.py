@@ -92,6 +92,19 @@ def _check_pipeline(cfg, world: int) -> str | None:
     return None
 
 
+def _check_outputs(args: argparse.Namespace, *more: tuple[str, object]) -> str | None:
+    """``--json``, ``--plot`` (and ``more`` (flag, path) pairs): writable, not links, not
+    there unless ``--force``; matplotlib for ``--plot``."""
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        return "--plot needs matplotlib: pip install 'te_paged[plot]'"
+    try:
+        for flag, path in (("--json", args.json), ("--plot", args.plot), *more):
+            check_output(flag, path, args.force)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def _check_jax_args(args: argparse.Namespace) -> str | None:
     """``--engine jax``: one process on CPU, the ring-of-experts model's flags only."""
     if args.capacity_factor is not None:
@@ -125,14 +138,7 @@ def _check_jax_args(args: argparse.Namespace) -> str | None:
         model_config(args).ring()  # the model's own checks (experts over --ep, top-k, ...)
     except ValueError as e:
         return str(e)
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
-        return "--plot needs matplotlib: pip install 'te_paged[plot]'"
-    try:
-        check_output("--json", args.json, args.force)
-        check_output("--plot", args.plot, args.force)
-    except ValueError as e:
-        return str(e)
-    return None
+    return _check_outputs(args)
 
 
 def _check_torchtitan_args(args: argparse.Namespace) -> str | None:
@@ -182,14 +188,7 @@ def _check_torchtitan_args(args: argparse.Namespace) -> str | None:
         from te_paged.integrations import TORCHTITAN_INSTALL, TORCHTITAN_RELEASE
 
         return f"--engine torchtitan needs torchtitan {TORCHTITAN_RELEASE}: {TORCHTITAN_INSTALL}"
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
-        return "--plot needs matplotlib: pip install 'te_paged[plot]'"
-    try:
-        check_output("--json", args.json, args.force)
-        check_output("--plot", args.plot, args.force)
-    except ValueError as e:
-        return str(e)
-    return None
+    return _check_outputs(args)
 
 
 def check_ab_args(args: argparse.Namespace) -> str | None:
@@ -265,14 +264,9 @@ def check_ab_args(args: argparse.Namespace) -> str | None:
             resolve_backend(cfg.kernel_backend, torch.device(args.device))
         except ValueError as e:
             return f"--kernel-backend {cfg.kernel_backend}: {e}"
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
-        return "--plot needs matplotlib: pip install 'te_paged[plot]'"
-    try:
-        check_output("--json", args.json, args.force)
-        check_output("--plot", args.plot, args.force)
-        check_output("--record-profile", args.record_profile, args.force)
-    except ValueError as e:
-        return str(e)
+    problem = _check_outputs(args, ("--record-profile", args.record_profile))
+    if problem:
+        return problem
     if megatron:
         return _megatron_missing()
     return None

@@ -43,8 +43,8 @@ from te_paged.tools.ab import (
     RankResult,
     StepResult,
     capturing,
-    pool_and_s_bytes,
     rank_result,
+    step_result,
 )
 from te_paged.tools.model import ModelConfig
 
@@ -358,29 +358,11 @@ def train(
         )
         # Only the last pipeline stage computes the loss; the others report NaN (null in JSON).
         loss = torch.stack([x["lm loss"] for x in losses]).mean() if losses else torch.nan
-        pool, s_bytes = pool_and_s_bytes(runner.managers)
-        stats = [m.stats() for m in runner.managers]
-        run.steps.append(
-            StepResult(
-                float(loss),
-                float(grad_norm),
-                record.attempt,
-                record.enabled,
-                record.stash_overflow_ranks,
-                record.overbudget_ranks,
-                record.host_spill_ranks,
-                meter.report.peak_bytes if meter else 0,
-                dataclasses.asdict(record),
-                capture,
-                pool,
-                s_bytes,
-                sum(s.stashes for s in stats),
-                sum(s.pops for s in stats),
-            )
-        )
+        peak = meter.report.peak_bytes if meter else 0
+        run.steps.append(step_result(loss, grad_norm, record, peak, capture, runner.managers))
         run.memory_method = meter.report.method if meter else "not measured"
-        run.pool_bytes.append(pool)
-        run.s_bytes.append(s_bytes)
+        run.pool_bytes.append(run.steps[-1].pool_bytes)
+        run.s_bytes.append(run.steps[-1].s_bytes)
         if progress is not None:
             progress(f"megatron {'ON ' if paged else 'OFF'} step {step + 1}/{cfg.steps}")
     return run

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from te_paged.runtime.memory import PeakMemoryMeter
-from te_paged.tools.ab import RankResult, StepResult, capturing, pool_and_s_bytes, rank_result
+from te_paged.tools.ab import RankResult, StepResult, capturing, rank_result, step_result
 from te_paged.tools.model import ModelConfig
 
 __all__ = [
@@ -303,26 +303,8 @@ def train(
                 run.grads.append(grads)
                 run.params.append([_local(p).detach().cpu().clone() for p in params])
                 loss = torch.stack([x.detach().float() for x in trainer.last_losses]).sum()
-                pool, s_bytes = pool_and_s_bytes(runner.managers)
-                stats = [m.stats() for m in runner.managers]
-                run.steps.append(
-                    StepResult(
-                        float(loss),
-                        float(norm),
-                        record.attempt,
-                        record.enabled,
-                        record.stash_overflow_ranks,
-                        record.overbudget_ranks,
-                        record.host_spill_ranks,
-                        meter.report.peak_bytes if meter else 0,
-                        dataclasses.asdict(record),
-                        capture,
-                        pool,
-                        s_bytes,
-                        sum(s.stashes for s in stats),
-                        sum(s.pops for s in stats),
-                    )
-                )
+                peak = meter.report.peak_bytes if meter else 0
+                run.steps.append(step_result(loss, norm, record, peak, capture, runner.managers))
                 run.memory_method = meter.report.method if meter else "not measured"
                 if progress is not None:
                     progress(f"torchtitan {'ON ' if paged else 'OFF'} step {step + 1}/{cfg.steps}")
