@@ -1,4 +1,5 @@
-"""Run a worker under ``torchrun`` with a hard timeout and no processes left behind."""
+"""Run a worker under ``torchrun``, or any Python command, with a hard timeout and no processes
+left behind."""
 
 from __future__ import annotations
 
@@ -6,55 +7,95 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+_LIVE: dict[subprocess.Popen, threading.Thread] = {}  # running now -> the thread waiting on it
+_LIVE_LOCK = threading.Lock()
 
 
 def torchrun(
     args: list[str], *, nproc: int, timeout_s: int, env: dict | None = None, cwd=None
 ) -> str:
-    """``python -m torch.distributed.run --standalone --nproc_per_node=N *args``; its output.
+    """``python -m torch.distributed.run --standalone --nproc_per_node=N *args``; its output
+    (stdout and stderr together). Fails the test on a non-zero exit or after ``timeout_s``."""
+    cmd = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    # The ranks share the CPU cores.
+    proc = run_python(cmd, timeout_s=timeout_s, env={"OMP_NUM_THREADS": "1", **(env or {})},
+                      cwd=cwd, merge_output=True)  # fmt: skip
+    if proc.returncode != 0:
+        pytest.fail(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-12000:]}")
+    return proc.stdout
 
-    Fails the test on a non-zero exit or after ``timeout_s``. The launcher runs in a session of
-    its own: on a timeout it gets SIGTERM (on which it ends its workers); should that not end
-    it within 30 s, the whole process group is killed.
+
+def run_python(
+    args: list[str],
+    *,
+    timeout_s: int,
+    env: dict | None = None,
+    cwd=None,
+    merge_output: bool = False,
+) -> subprocess.CompletedProcess:
+    """``python *args`` from the repository root (or ``cwd``) with the repository on
+    ``PYTHONPATH`` and ``env`` added; its exit status and output, stderr in stdout with
+    ``merge_output``.
+
+    It runs in a session of its own. After ``timeout_s`` (a test failure), or when the test
+    session ends first (:func:`end_all`), it gets SIGTERM, on which torchrun and ``te-paged
+    ab`` end their ranks; should that not end it within 30 s, its whole process group is killed.
     """
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        *args,
-    ]
     full_env = {
         **os.environ,
-        "OMP_NUM_THREADS": "1",  # the ranks share the CPU cores
         "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
         **(env or {}),
     }
     proc = subprocess.Popen(
-        cmd,
+        [sys.executable, *args],
         cwd=REPO_ROOT if cwd is None else cwd,
         env=full_env,
         stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+        stderr=subprocess.STDOUT if merge_output else subprocess.PIPE,
         text=True,
         start_new_session=True,
     )
+    with _LIVE_LOCK:
+        _LIVE[proc] = threading.current_thread()
     try:
-        output, _ = proc.communicate(timeout=timeout_s)
+        out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        proc.terminate()
+        out, err = _end(proc)
+        pytest.fail(f"{' '.join(args[:4])} timed out after {timeout_s} s:\n"
+                    f"{(out or '')[-12000:]}{(err or '')[-12000:]}")  # fmt: skip
+    finally:
+        with _LIVE_LOCK:
+            _LIVE.pop(proc, None)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out or "", err or "")
+
+
+def _end(proc: subprocess.Popen) -> tuple[str | None, str | None]:
+    """SIGTERM to the launcher (which ends its ranks); SIGKILL to its whole process group
+    when that has not ended it within 30 s. Its output."""
+    proc.terminate()
+    try:
+        return proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.communicate()
+
+
+def end_all(thread: threading.Thread | None = None) -> None:
+    """End every command still running, with its ranks, or only those ``thread`` waits on (the
+    session is ending: a launch on the background lane must not outlive it)."""
+    with _LIVE_LOCK:
+        live = [proc for proc, owner in _LIVE.items() if thread in (None, owner)]
+    for proc in live:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in live:
         try:
-            output, _ = proc.communicate(timeout=30)
+            proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-        pytest.fail(f"torchrun timed out after {timeout_s} s:\n{output[-12000:]}")
-    if proc.returncode != 0:
-        pytest.fail(f"torchrun failed ({proc.returncode}):\n{output[-12000:]}")
-    return output

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -14,7 +16,8 @@ from te_paged.runtime.planner import RoutingProfile
 from te_paged.tools import ab as ab_module
 from te_paged.tools import ab_command
 
-from .launch import REPO_ROOT, torchrun
+from .launch import REPO_ROOT, run_python, torchrun
+from .prelaunch import Launch, alone
 from .test_run_record import check_record
 
 SMALL = [
@@ -35,15 +38,41 @@ SMALL = [
 ]
 
 
+def _free_port() -> int:  # for an in-process run alone on its port (world size 1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def te_paged(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "te_paged", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=REPO_ROOT,
-        check=False,
-    )
+    return run_python(["-m", "te_paged", *args], timeout_s=timeout)
+
+
+def ab_launch(name: str, *args: str) -> Launch:
+    """``te-paged ab *args --json <folder>/ab.json``, started in the background with the
+    suite's other launches (functional_tests/prelaunch.py); its result is the finished process
+    and the JSON file's path."""
+
+    def run(out: Path) -> tuple[subprocess.CompletedProcess, Path]:
+        js = out / "ab.json"
+        return te_paged("ab", *args, "--json", str(js)), js
+
+    return alone(f"cli {name}", run)
+
+
+AB_MEGATRON = ab_launch("ab megatron", "--engine", "megatron")
+AB_TORCHTITAN = ab_launch("ab torchtitan", "--engine", "torchtitan")
+_SMALL_MEGATRON = ["--hidden", "64", "--ffn", "128", "--seq-length", "32"]
+AB_MEGATRON_RERUNS = ab_launch(
+    "ab megatron reruns", "--engine", "megatron", "--nproc", "2", "--layers", "2", *_SMALL_MEGATRON,
+    "--steps", "2", "--skew", "2", "--capacity-factor", "1.2",  # a budget the skewed steps overrun
+)  # fmt: skip
+# PP 2 x EP 2 on 4 ranks, Megatron's 1F1B schedule, 4 microbatches: capture, then paged.
+AB_MEGATRON_PIPELINE = ab_launch(
+    "ab megatron pipeline", "--engine", "megatron", "--pipeline-parallel", "2", "--microbatches",
+    "4", "--layers", "4", *_SMALL_MEGATRON, "--buffer-factor-cuda", "1.6", "--steps", "2",
+)  # fmt: skip
+LAUNCHES = [AB_MEGATRON, AB_TORCHTITAN, AB_MEGATRON_RERUNS, AB_MEGATRON_PIPELINE]
 
 
 def test_help_lists_every_command_and_flag() -> None:
@@ -147,7 +176,7 @@ def test_ab_exit_status_is_1_when_on_and_off_differ(monkeypatch, capsys) -> None
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(ab_command._free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
     assert cli.main(["ab", *SMALL]) == 1
     assert "DIFFER" in capsys.readouterr().out
 
@@ -368,11 +397,10 @@ def test_a_runtime_failure_exits_3_with_one_line(monkeypatch, capsys) -> None:
     assert err == "te-paged ab: error: RuntimeError: the pool caught fire\n"
 
 
-def test_ab_engine_megatron_default_model_is_bitwise_and_saves_memory(tmp_path) -> None:
+def test_ab_engine_megatron_default_model_is_bitwise_and_saves_memory(launches) -> None:
     # The default Megatron model on 4 spawned ranks (EP 4): the saving inside Megatron's
     # GPTModel must reach 0.95 of the reload-adjusted model (cf − bf − cf/L) × S.
-    js = tmp_path / "ab.json"
-    proc = te_paged("ab", "--engine", "megatron", "--json", str(js))
+    proc, js = launches.result(AB_MEGATRON)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "| step | loss ON | loss OFF |" in proc.stdout and "bitwise equal" in proc.stdout
     assert "Traceback" not in proc.stderr
@@ -391,11 +419,10 @@ def test_ab_engine_megatron_default_model_is_bitwise_and_saves_memory(tmp_path) 
     assert memory["measured_over_reload_adjusted"] >= 0.95, memory
 
 
-def test_ab_engine_torchtitan_default_model_is_bitwise_and_saves_memory(tmp_path) -> None:
+def test_ab_engine_torchtitan_default_model_is_bitwise_and_saves_memory(launches) -> None:
     # torchtitan's Trainer and DeepSeek-V3 on 4 spawned ranks (EP 4): the saving must reach
     # 0.95 of the reload-adjusted model (cf − bf − cf/L) × S.
-    js = tmp_path / "ab.json"
-    proc = te_paged("ab", "--engine", "torchtitan", "--json", str(js))
+    proc, js = launches.result(AB_TORCHTITAN)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.startswith("torchtitan 0.3.0\n") and "bitwise equal" in proc.stdout
     assert "Traceback" not in proc.stderr
@@ -412,13 +439,8 @@ def test_ab_engine_torchtitan_default_model_is_bitwise_and_saves_memory(tmp_path
     assert memory["measured_over_reload_adjusted"] >= 0.95, memory
 
 
-def test_ab_engine_megatron_forced_reruns_stay_bitwise(tmp_path) -> None:
-    js = tmp_path / "ab.json"
-    small = ["--layers", "2", "--hidden", "64", "--ffn", "128", "--seq-length", "32"]
-    proc = te_paged(
-        "ab", "--engine", "megatron", "--nproc", "2", *small, "--steps", "2", "--skew", "2",
-        "--capacity-factor", "1.2", "--json", str(js),  # a budget the skewed steps overrun
-    )  # fmt: skip
+def test_ab_engine_megatron_forced_reruns_stay_bitwise(launches) -> None:
+    proc, js = launches.result(AB_MEGATRON_RERUNS)
     assert proc.returncode == 0, proc.stderr[-4000:]
     data = check_record(js)  # strict JSON, valid against the schema
     on = data["ranks"][0]["on"]
@@ -427,16 +449,10 @@ def test_ab_engine_megatron_forced_reruns_stay_bitwise(tmp_path) -> None:
     assert data["memory"] is None and "every step after the capture step" in proc.stdout
 
 
-def test_ab_engine_megatron_pipeline_prints_each_stage(tmp_path) -> None:
-    # PP 2 x EP 2 on 4 ranks, Megatron's 1F1B schedule, 4 microbatches: ON vs OFF bitwise, and
-    # the memory table and record per stage (stage 0 holds 2 microbatches in flight, stage 1
-    # one: twice the pool).
-    js = tmp_path / "ab.json"
-    small = ["--layers", "4", "--hidden", "64", "--ffn", "128", "--seq-length", "32"]
-    proc = te_paged(
-        "ab", "--engine", "megatron", "--pipeline-parallel", "2", "--microbatches", "4", *small,
-        "--buffer-factor-cuda", "1.6", "--steps", "2", "--json", str(js),  # capture, then paged
-    )  # fmt: skip
+def test_ab_engine_megatron_pipeline_prints_each_stage(launches) -> None:
+    # The memory table and record per stage: stage 0 holds 2 microbatches in flight, stage 1
+    # one, so twice the pool.
+    proc, js = launches.result(AB_MEGATRON_PIPELINE)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "per pipeline stage" in proc.stdout and "| stage | peak ON" in proc.stdout
     data = check_record(js)  # strict JSON, valid against the schema
@@ -510,7 +526,7 @@ def _rank_processes(parent) -> list:
     return [c for c in children if "resource_tracker" not in " ".join(c.cmdline())]
 
 
-def test_a_stopped_rank_ends_the_run_naming_it_and_leaves_no_process() -> None:
+def test_a_stopped_rank_ends_the_run_naming_it_and_leaves_no_process(quiet_machine) -> None:
     # Before: a rank that stopped (SIGSTOP) hung `te-paged ab` until its 10-minute timeout.
     import signal
     import time

@@ -28,16 +28,24 @@ from pathlib import Path
 import pytest
 
 from .launch import torchrun
+from .prelaunch import alone
 
 WORLD = 4
 HERE = Path(__file__).parent
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("runner")
+def _launch(out: Path) -> list[dict]:
     torchrun([str(HERE / "runner_worker.py"), "--out", str(out)], nproc=WORLD, timeout_s=300)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+LAUNCH = alone("runner", _launch)
+LAUNCHES = [LAUNCH]
+
+
+@pytest.fixture(scope="module")
+def ranks(launches) -> list[dict]:
+    return launches.result(LAUNCH)
 
 
 def attempts(run: dict) -> list[int]:

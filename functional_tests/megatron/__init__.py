@@ -5,6 +5,11 @@ of the virtual environment: 0.19.2 (the current release) is what every process i
 default; a launch for 0.16.1 puts that release's folder first on ``PYTHONPATH``
 (:func:`release_env`). Each worker writes the release it imported, and :func:`run_workers`
 checks it.
+
+The workers on one release run in one launch (``launch_workers.py``): megatron-core's import
+and gloo's set-up are paid once. A test module declares its worker with
+:func:`workers_launch` in its ``LAUNCHES`` (``functional_tests/prelaunch.py``), and reads its
+results with ``launches.result(...)``.
 """
 
 from __future__ import annotations
@@ -16,9 +21,15 @@ from pathlib import Path
 
 import pytest
 
+from functional_tests.prelaunch import Launch
+
 #: The releases the tests launch, the default (what an unqualified import gives) first.
 DEFAULT_RELEASE = "0.19.2"
 RELEASES = (DEFAULT_RELEASE, "0.16.1")
+#: The ranks every worker launch runs on.
+WORLD_SIZE = 4
+#: ``(group, worker)`` -> that worker's share of its launch's timeout (:func:`workers_launch`).
+timeouts: dict[tuple[str, str], int] = {}
 
 
 def release_folder(release: str) -> Path:
@@ -40,28 +51,54 @@ def release_env(release: str) -> dict[str, str]:
 
 
 def run_workers(
-    worker: str,
+    workers: tuple[str, ...],
     out: Path,
     *,
     world_size: int,
     timeout_s: int,
     release: str = DEFAULT_RELEASE,
     env: dict[str, str] | None = None,
-) -> list[dict]:
-    """Launch ``functional_tests.megatron.<worker>`` on ``world_size`` CPU ranks with torchrun
-    against megatron-core ``release`` (fails the test when that release is missing or a rank
-    fails), ``env`` added to the ranks' environment; each rank's JSON result."""
+) -> dict[str, list[dict]]:
+    """Launch ``functional_tests.megatron.launch_workers`` on ``world_size`` CPU ranks with
+    torchrun against megatron-core ``release``, running ``workers`` one after another in one
+    process group, ``env`` added to the ranks' environment (fails the test when that release is
+    missing or a rank fails); each worker's list of per-rank JSON results."""
     from functional_tests.launch import torchrun
 
     torchrun(
-        ["-m", f"functional_tests.megatron.{worker}", "--out", str(out),
-         "--timeout-s", str(timeout_s - 30)],
+        ["-m", "functional_tests.megatron.launch_workers", "--workers", ",".join(workers),
+         "--out", str(out), "--timeout-s", str(timeout_s - 30)],
         nproc=world_size,
         timeout_s=timeout_s,
         # Megatron warns at import that TE and Apex are absent.
         env={"PYTHONWARNINGS": "ignore", **release_env(release), **(env or {})},
     )  # fmt: skip
-    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]
-    assert all(r["world_size"] == world_size for r in results)
-    assert all(r["megatron_core"] == release for r in results), (release, results[0])
+    results = {}
+    for worker in workers:
+        ranks = [json.loads((out / worker / f"rank{r}.json").read_text())
+                 for r in range(world_size)]  # fmt: skip
+        assert all(r["world_size"] == world_size for r in ranks)
+        assert all(r["megatron_core"] == release for r in ranks), (release, ranks[0])
+        results[worker] = ranks
     return results
+
+
+def workers_launch(
+    worker: str,
+    *,
+    timeout_s: int,
+    release: str = DEFAULT_RELEASE,
+    env: dict[str, str] | None = None,
+) -> Launch:
+    """``worker`` on 4 ranks as a :class:`~functional_tests.prelaunch.Launch`: every worker the
+    collected tests need on the same release and environment runs in one launch, whose timeout
+    is the sum of theirs. Its result is the worker's list of per-rank results."""
+    group = " ".join(["megatron", release, *(f"{k}={v}" for k, v in sorted((env or {}).items()))])
+    timeouts[group, worker] = timeout_s
+
+    def run(parts: tuple[str, ...], out: Path) -> dict[str, list[dict]]:
+        total = sum(timeouts[group, part] for part in parts)
+        return run_workers(parts, out, world_size=WORLD_SIZE, timeout_s=total, release=release,
+                           env=env)  # fmt: skip
+
+    return Launch(group, worker, run)

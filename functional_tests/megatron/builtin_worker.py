@@ -1,12 +1,12 @@
-"""Worker of the megatron-core 0.19.2 built-in-stash functional test: ``main(argv)``, per rank.
+"""Worker of the megatron-core 0.19.2 built-in-stash functional test: ``run_cases`` per rank.
 
-Run by ``test_megatron_builtin_stash.py`` under ``torchrun`` (4 CPU ranks, gloo, EP 4) against
-megatron-core 0.19.2, whose ``TransformerConfig`` carries Megatron's own paged-stash fields and
-whose ``megatron/core/transformer/moe/paged_stash.py`` holds a process-global stash manager.
-The model is ``train_worker``'s (``te_paged.tools.megatron_ab``: a ``GPTModel``, dropout 0.1,
-Megatron DDP and Adam), its config written as a user of Megatron's built-in stash writes it
-(``moe_paged_stash=True``, ``moe_expert_rank_capacity_factor``, the ``"flex"`` dispatcher),
-with te_paged's MoE spec. Cases:
+Run by ``test_megatron_builtin_stash.py`` through ``launch_workers.py`` (4 CPU ranks, gloo, EP
+4) against megatron-core 0.19.2, whose ``TransformerConfig`` carries Megatron's own paged-stash
+fields and whose ``megatron/core/transformer/moe/paged_stash.py`` holds a process-global stash
+manager. The model is ``train_worker``'s (``te_paged.tools.megatron_ab``: a ``GPTModel``,
+dropout 0.1, Megatron DDP and Adam), its config written as a user of Megatron's built-in stash
+writes it (``moe_paged_stash=True``, ``moe_expert_rank_capacity_factor``, the ``"flex"``
+dispatcher), with te_paged's MoE spec. Cases:
 
 * ``inert``: paged stash ON vs OFF over 3 steps, with counting spies on Megatron's stash: under
   te_paged's runner Megatron's hooks do not run at all; driven by ``forward_backward_func``
@@ -29,7 +29,6 @@ with te_paged's MoE spec. Cases:
   :class:`MegatronPagedStashRunner` (te_paged's layers, rank 0's routing skewed past the
   budget), each against the same model trained without any rerun.
 
-Each rank writes ``rank<r>.json``.
 """
 
 from __future__ import annotations
@@ -37,12 +36,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import sys
 import types
+from pathlib import Path
 
 import torch
 
-from functional_tests.megatron.train_worker import NEVER_OVERFLOWS, PARITY, config, worker_main
+from functional_tests.megatron.train_worker import NEVER_OVERFLOWS, PARITY, config
 
 STEPS = 3
 
@@ -377,7 +376,7 @@ def reruns_case(ep: int, rank: int) -> dict:
     return {"megatron": megatron, "te_paged": te_paged}
 
 
-def run_cases(rank: int, world: int) -> dict:
+def run_cases(rank: int, world: int, out: Path) -> dict:
     from te_paged.tools.megatron_ab import megatron_parallel
 
     ep = world
@@ -390,11 +389,3 @@ def run_cases(rank: int, world: int) -> dict:
             "fallback_memory": fallback_memory_case(ep, rank),
             "reruns": reruns_case(ep, rank),
         }
-
-
-def main(argv: list[str] | None = None) -> int:
-    return worker_main(argv, __doc__.splitlines()[0], run_cases, steps=STEPS, timeout_s=400.0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

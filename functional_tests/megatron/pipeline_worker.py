@@ -1,23 +1,23 @@
-"""Worker of the pipeline-parallel functional test: ``main(argv)``, one process per rank.
+"""Worker of the pipeline-parallel functional test: ``run_cases`` on every rank.
 
-Run by ``test_megatron_pipeline.py`` under ``torchrun`` (4 CPU ranks, gloo): Megatron-core's
-1F1B schedule (``forward_backward_pipelining_without_interleaving``) and its interleaved one
-(2 virtual stages per rank), each with pipeline parallelism 2 × expert parallelism 2, 4
-microbatches, dropout 0.1, te_paged's MoE spec with the static-budget dispatcher, Megatron's
-DDP and Adam, driven by :class:`MegatronPagedStashRunner` — the model of
+Run by ``test_megatron_pipeline.py`` through ``launch_workers.py`` (4 CPU ranks, gloo):
+Megatron-core's 1F1B schedule (``forward_backward_pipelining_without_interleaving``) and its
+interleaved one (2 virtual stages per rank), each with pipeline parallelism 2 × expert
+parallelism 2, 4 microbatches, dropout 0.1, te_paged's MoE spec with the static-budget
+dispatcher, Megatron's DDP and Adam, driven by :class:`MegatronPagedStashRunner` — the model of
 ``functional_tests/megatron/train_worker.py`` cut into pipeline stages. Cases per schedule:
 
 * ``parity``: paged stash ON vs OFF, 3 steps, every parameter after each optimizer step;
 * ``over_budget``: rank 0 (stage 0) routes past a 1.5 capacity factor, so every step reruns
   (all microbatches, every stage) — vs a run that never goes over budget or overflows.
 
-Each rank writes ``rank<r>.json`` with its stage, the runs' summaries, its pool and the
+Each rank's results hold its stage, the runs' summaries, its pool and the
 capture step's peak pages.
 """
 
 from __future__ import annotations
 
-import sys
+from pathlib import Path
 
 import torch
 
@@ -26,7 +26,6 @@ from functional_tests.megatron.train_worker import (
     PARITY,
     config,
     summary,
-    worker_main,
 )
 
 STEPS = 3
@@ -64,7 +63,7 @@ def pools(run, cfg) -> dict:
     }
 
 
-def run_cases(rank: int, world: int) -> dict:
+def run_cases(rank: int, world: int, out: Path) -> dict:
     from megatron.core import parallel_state
 
     from te_paged.tools.megatron_ab import megatron_parallel, train
@@ -86,11 +85,3 @@ def run_cases(rank: int, world: int) -> dict:
             case["over_budget"] = summary(train(scenario, True, ep, cpu, rank), reference)
             results[name] = case
     return results
-
-
-def main(argv: list[str] | None = None) -> int:
-    return worker_main(argv, __doc__.splitlines()[0], run_cases, steps=STEPS, timeout_s=300.0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

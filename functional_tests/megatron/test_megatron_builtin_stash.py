@@ -1,7 +1,8 @@
 """te_paged beside megatron-core 0.19.2's built-in paged stash (4 gloo ranks, EP 4).
 
-One ``torchrun`` launch runs every case of ``builtin_worker.py`` (see its docstring) against
-megatron-core 0.19.2; the tests read its per-rank JSON. What they show:
+The Megatron launch (``functional_tests/megatron``) runs every case of ``builtin_worker.py``
+(see its docstring) against megatron-core 0.19.2; the tests read its per-rank JSON. What they
+show:
 
 * one stash system at a time: with ``config.moe_paged_stash=True`` and te_paged's spec,
   Megatron's schedule and model hooks are off under te_paged's runner, and without the runner
@@ -20,20 +21,17 @@ from __future__ import annotations
 
 import pytest
 
-from functional_tests.megatron import DEFAULT_RELEASE, run_workers
+from functional_tests.megatron import DEFAULT_RELEASE, workers_launch
 
-WORLD_SIZE = 4
-LAUNCH_TIMEOUT_S = 300
 STEPS = 3
+LAUNCH = workers_launch("builtin_worker", timeout_s=300, release="0.19.2")
+LAUNCHES = [LAUNCH]
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+def ranks(launches) -> list[dict]:
     assert DEFAULT_RELEASE == "0.19.2"  # the release with the built-in stash
-    out = tmp_path_factory.mktemp("megatron_builtin")
-    return run_workers(
-        "builtin_worker", out, world_size=WORLD_SIZE, timeout_s=LAUNCH_TIMEOUT_S, release="0.19.2"
-    )
+    return launches.result(LAUNCH)
 
 
 def test_megatrons_hooks_are_off_under_the_runner_and_inert_without_it(ranks) -> None:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import re
+from pathlib import Path
 
 import pytest
 
 from functional_tests.launch import REPO_ROOT, torchrun
 from functional_tests.megatron import RELEASES, release_env
+from functional_tests.prelaunch import alone
 
 MARKER = "<!-- example: megatron-training-step -->"
 ITERATIONS = 4
@@ -20,9 +23,8 @@ def extract_example() -> str:
     return match.group(1) + "\n"
 
 
-@pytest.mark.parametrize("release", RELEASES)
-def test_megatron_docs_example_runs_as_written(tmp_path, release: str) -> None:
-    script = tmp_path / "example.py"
+def _launch(release: str, out: Path) -> str:
+    script = out / "example.py"
     # The example as written, plus one line that says which release the ranks imported.
     script.write_text(
         extract_example()
@@ -31,7 +33,16 @@ def test_megatron_docs_example_runs_as_written(tmp_path, release: str) -> None:
         + "print(f\"megatron-core {'.'.join(map(str, VERSION[:3]))}\", flush=True)\n"
     )
     env = {"PYTHONWARNINGS": "ignore", **release_env(release)}
-    output = torchrun([str(script)], nproc=4, timeout_s=180, env=env)
+    return torchrun([str(script)], nproc=4, timeout_s=180, env=env)
+
+
+LAUNCH = {r: alone(f"megatron docs {r}", functools.partial(_launch, r)) for r in RELEASES}
+LAUNCHES = list(LAUNCH.values())
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_megatron_docs_example_runs_as_written(launches, release: str) -> None:
+    output = launches.result(LAUNCH[release])
     assert output.count(f"megatron-core {release}") == 4, output
     lines = [line for line in output.splitlines() if line.startswith("iteration ")]
     assert [line.split()[1] for line in lines] == [str(i) for i in range(ITERATIONS)], output

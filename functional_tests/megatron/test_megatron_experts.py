@@ -20,27 +20,37 @@ then compares output, input and probability gradients and every parameter gradie
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from functional_tests.launch import torchrun
 from functional_tests.megatron import experts_worker as worker
+from functional_tests.prelaunch import alone
 
 LAUNCH_TIMEOUT_S = 240
 CASES = {case.id: case for case in worker.CASES}
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    out = tmp_path_factory.mktemp("megatron_experts") / "results.json"
+def _launch(out: Path) -> dict:
+    results = out / "results.json"
     torchrun(
-        ["-m", "functional_tests.megatron.experts_worker", "--out", str(out),
+        ["-m", "functional_tests.megatron.experts_worker", "--out", str(results),
          "--timeout-s", str(LAUNCH_TIMEOUT_S - 30)],
         nproc=1,
         timeout_s=LAUNCH_TIMEOUT_S,
         env={"PYTHONWARNINGS": "ignore"},  # Megatron warns at import that TE and Apex are absent
     )  # fmt: skip
-    return json.loads(out.read_text())
+    return json.loads(results.read_text())
+
+
+LAUNCH = alone("megatron experts", _launch)
+LAUNCHES = [LAUNCH]
+
+
+@pytest.fixture(scope="module")
+def results(launches) -> dict:
+    return launches.result(LAUNCH)
 
 
 def _failures(comparison: dict, key: str) -> list[str]:

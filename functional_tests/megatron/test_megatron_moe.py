@@ -1,8 +1,9 @@
 """Megatron-core's ``MoELayer`` with te_paged inside vs the same layer with Megatron's experts.
 
-One ``torchrun`` launch (4 CPU ranks, gloo) runs every case of ``worker.py``: EP 1 and 4, the
-``alltoall`` and ``allgather`` dispatchers, ``moe_act`` recompute off and on, two steps each
-(the paged stash's capture step, then a paged step); the tests below read its per-rank JSON.
+The Megatron launch (4 CPU ranks, gloo; ``functional_tests/megatron``) runs every case of
+``worker.py``: EP 1 and 4, the ``alltoall`` and ``allgather`` dispatchers, ``moe_act`` recompute
+off and on, two steps each (the paged stash's capture step, then a paged step); the tests below
+read its per-rank JSON.
 
 What is compared with what, against Megatron's ``SequentialMLP`` with the same weights:
 
@@ -24,18 +25,13 @@ What is compared with what, against Megatron's ``SequentialMLP`` with the same w
 from __future__ import annotations
 
 import itertools
-import json
-from pathlib import Path
 
 import pytest
 
-from functional_tests.launch import torchrun
-from functional_tests.megatron import worker
-from te_paged.integrations.megatron.releases import installed_release
+from functional_tests.megatron import worker, workers_launch
 
-WORLD_SIZE = 4
-LAUNCH_TIMEOUT_S = 240
-REPO_ROOT = Path(__file__).resolve().parents[2]
+LAUNCH = workers_launch("worker", timeout_s=240)
+LAUNCHES = [LAUNCH]
 #: (expert-parallel size, dispatcher, moe_act recompute): what the worker ran.
 CASES = list(itertools.product(worker.EPS, worker.DISPATCHERS, (False, True)))
 CASE_IDS = [worker.case_id(*case) for case in CASES]
@@ -51,29 +47,9 @@ def bitwise_failures(comparison: dict[str, dict]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    """Launch the worker once; every rank's results."""
-    try:
-        installed_release()
-    except RuntimeError as e:
-        pytest.fail(str(e))
-    out = tmp_path_factory.mktemp("megatron_moe")
-    torchrun(
-        [
-            "-m",
-            "functional_tests.megatron.worker",
-            "--out",
-            str(out),
-            "--timeout-s",
-            str(LAUNCH_TIMEOUT_S - 30),
-        ],
-        nproc=WORLD_SIZE,
-        timeout_s=LAUNCH_TIMEOUT_S,
-        env={"PYTHONWARNINGS": "ignore"},  # Megatron warns at import that TE and Apex are absent
-    )
-    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
-    assert all(r["world_size"] == WORLD_SIZE for r in results)
-    return results
+def ranks(launches) -> list[dict]:
+    """Every rank's results."""
+    return launches.result(LAUNCH)
 
 
 def _steps(ranks: list[dict], case: tuple):

@@ -1,9 +1,10 @@
 """Paged stash under Megatron-core's pipeline schedules: 1F1B and interleaved (2 virtual stages),
 pipeline 2 × expert parallelism 2 on 4 CPU ranks (gloo), 4 microbatches, dropout on.
 
-One ``torchrun`` launch runs every case of ``pipeline_worker.py``; the tests read its per-rank
-JSON. "Equal" is bitwise, per optimizer step: loss (on the last stage; NaN on the first in both
-runs), grad norm, every parameter after the step and Megatron's MoE aux-loss tracker.
+The Megatron launch (``functional_tests/megatron``) runs every case of ``pipeline_worker.py``;
+the tests read its per-rank JSON. "Equal" is bitwise, per optimizer step: loss (on the last
+stage; NaN on the first in both runs), grad norm, every parameter after the step and Megatron's
+MoE aux-loss tracker.
 """
 
 from __future__ import annotations
@@ -11,17 +12,16 @@ from __future__ import annotations
 import pytest
 
 from functional_tests.megatron import pipeline_worker as worker
-from functional_tests.megatron import run_workers
+from functional_tests.megatron import workers_launch
 
-WORLD_SIZE = 4
-LAUNCH_TIMEOUT_S = 300
 SCHEDULES = list(worker.SCHEDULES)
+LAUNCH = workers_launch("pipeline_worker", timeout_s=300)
+LAUNCHES = [LAUNCH]
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    out = tmp_path_factory.mktemp("megatron_pipeline")
-    return run_workers("pipeline_worker", out, world_size=WORLD_SIZE, timeout_s=LAUNCH_TIMEOUT_S)
+def ranks(launches) -> list[dict]:
+    return launches.result(LAUNCH)
 
 
 def _all_equal(case: dict) -> bool:

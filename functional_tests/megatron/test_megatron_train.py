@@ -1,47 +1,45 @@
 """A real Megatron-core training step with paged stash: ``MegatronPagedStashRunner`` around
 ``forward_backward_func``, Megatron DDP (grad buffers), Megatron's optimizer, dropout.
 
-One ``torchrun`` launch (4 CPU ranks, gloo) runs every case of ``train_worker.py``; the tests
-read its per-rank JSON. "Equal" is bitwise, per optimizer step: loss, grad norm, every parameter
-after the step and Megatron's MoE aux-loss tracker.
+The Megatron launch (4 CPU ranks, gloo; ``functional_tests/megatron``) runs every case of
+``train_worker.py``; the tests read its per-rank JSON. "Equal" is bitwise, per optimizer step:
+loss, grad norm, every parameter after the step and Megatron's MoE aux-loss tracker.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from functional_tests.megatron import DEFAULT_RELEASE, RELEASES, run_workers, train_worker
+from functional_tests.megatron import DEFAULT_RELEASE, RELEASES, train_worker, workers_launch
 
-WORLD_SIZE = 4
 LAUNCH_TIMEOUT_S = 300
 PARITY = [f"ep{ep}-overlap_{o}" for ep in (2, 4) for o in (False, True)]
 #: megatron-core 0.16.1 runs the training step and the reruns (train_worker.RELEASE_CASES);
 #: the default release runs every case.
 EARLIER = [r for r in RELEASES if r != DEFAULT_RELEASE]
-
-
-def _launch(tmp_path_factory: pytest.TempPathFactory, release: str, cases: str) -> list[dict]:
-    out = tmp_path_factory.mktemp("megatron_train")
-    return run_workers(
+LAUNCH = workers_launch("train_worker", timeout_s=LAUNCH_TIMEOUT_S)
+EARLIER_LAUNCHES = {
+    release: workers_launch(
         "train_worker",
-        out,
-        world_size=WORLD_SIZE,
         timeout_s=LAUNCH_TIMEOUT_S,
         release=release,
-        env={train_worker.CASES_ENV: cases},
+        env={train_worker.CASES_ENV: "release"},
     )
+    for release in EARLIER
+}
+LAUNCHES = [LAUNCH, *EARLIER_LAUNCHES.values()]
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+def ranks(launches) -> list[dict]:
     """Every case, on the default release (0.19.2)."""
-    return _launch(tmp_path_factory, DEFAULT_RELEASE, "all")
+    return launches.result(LAUNCH)
 
 
 @pytest.fixture(scope="module", params=EARLIER)
-def earlier_ranks(request, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+def earlier_ranks(request, launches) -> list[dict]:
     """The training-step and rerun cases, on the earlier release."""
-    return _launch(tmp_path_factory, request.param, "release")
+    return launches.result(EARLIER_LAUNCHES[request.param])
 
 
 def test_the_earlier_release_trains_on_off_bitwise_and_reruns_bitwise(earlier_ranks) -> None:

@@ -1,8 +1,8 @@
-"""Worker of the Megatron training-step functional test: ``main(argv)``, one process per rank.
+"""Worker of the Megatron training-step functional test: ``run_cases`` on every rank.
 
-Run by ``test_megatron_train.py`` under ``torchrun`` (4 CPU ranks, gloo). Every case trains a
-small Megatron ``GPTModel`` (te_paged's MoE spec with the static-budget dispatcher, dropout
-0.1, Megatron DDP with grad buffers, Megatron's Adam) for a few optimizer steps with
+Run by ``test_megatron_train.py`` through ``launch_workers.py`` (4 CPU ranks, gloo). Every case
+trains a small Megatron ``GPTModel`` (te_paged's MoE spec with the static-budget dispatcher,
+dropout 0.1, Megatron DDP with grad buffers, Megatron's Adam) for a few optimizer steps with
 :class:`MegatronPagedStashRunner`, and compares runs step by step — loss, grad norm, every
 parameter after the optimizer step and the MoE aux-loss tracker, bitwise
 (:func:`te_paged.tools.megatron_ab.same_steps`):
@@ -19,24 +19,15 @@ parameter after the optimizer step and the MoE aux-loss tracker, bitwise
 With ``TE_PAGED_TRAIN_CASES=release`` (:data:`CASES_ENV`) only the training step and the reruns
 run: one ``parity`` case, ``over_budget`` and ``overflow`` (the earlier megatron-core release).
 
-Each rank writes ``rank<r>.json``.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import datetime
-import faulthandler
-import json
 import os
-import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
-
-from te_paged.integrations.megatron import cpu_shims
 
 STEPS = 4
 #: Small enough for the suite's time budget; every feature of the default engine model.
@@ -122,7 +113,7 @@ CASES_ENV = "TE_PAGED_TRAIN_CASES"
 RELEASE_PARITY = ("ep4-overlap_True",)
 
 
-def run_cases(rank: int, world: int) -> dict:
+def run_cases(rank: int, world: int, out: Path) -> dict:
     from te_paged.runtime import StepDesyncError
     from te_paged.tools.megatron_ab import megatron_parallel, train
 
@@ -176,51 +167,3 @@ def run_cases(rank: int, world: int) -> dict:
         except StepDesyncError as e:
             results["desync"] = str(e)
     return results
-
-
-def worker_main(
-    argv: list[str] | None,
-    description: str,
-    cases: Callable[[int, int], dict],
-    *,
-    steps: int,
-    timeout_s: float,
-) -> int:
-    """A worker's ``main``: gloo over the launched ranks, ``cases(rank, world)``, and each
-    rank's results to ``--out/rank<r>.json``."""
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--out", type=Path, required=True, help="folder for rank<r>.json")
-    parser.add_argument("--timeout-s", type=float, default=timeout_s, help="watchdog: exit after")
-    args = parser.parse_args(argv)
-    # A rank whose peers died would wait in a collective for ever: dump the stacks and exit.
-    faulthandler.dump_traceback_later(args.timeout_s, exit=True)
-    cpu_shims.install()
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    try:
-        from te_paged.integrations.megatron.releases import installed_version
-
-        results = {
-            "world_size": world,
-            "steps": steps,
-            "megatron_core": installed_version(),
-            **cases(rank, world),
-        }
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
-    faulthandler.cancel_dump_traceback_later()
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    return worker_main(argv, __doc__.splitlines()[0], run_cases, steps=STEPS, timeout_s=400.0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

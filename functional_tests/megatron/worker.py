@@ -1,9 +1,9 @@
-"""Worker of the Megatron MoE functional test: ``main(argv)``, one process per rank (gloo).
+"""Worker of the Megatron MoE functional test: ``run_cases`` on every rank (gloo).
 
-Run by ``test_megatron_moe.py`` as ``python -m torch.distributed.run --nproc_per_node=4
--m functional_tests.megatron.worker --out DIR``. For EP 1 and EP 4 (one process group setup
-each), both dropless dispatchers and ``moe_act`` recompute off/on, it builds Megatron's
-``MoELayer`` five ways from one set of weights and runs two steps of forward and backward:
+Run by ``test_megatron_moe.py`` through ``launch_workers.py`` (4 CPU ranks). For EP 1 and EP 4
+(one process group setup each), both dropless dispatchers and ``moe_act`` recompute off/on, it
+builds Megatron's ``MoELayer`` five ways from one set of weights and runs two steps of forward
+and backward:
 
 * ``sequential`` — the reference: Megatron's ``SequentialMLP`` experts;
 * ``te_paged`` — te_paged's experts (:func:`get_te_paged_moe_spec`), paged stash off;
@@ -13,7 +13,7 @@ each), both dropless dispatchers and ``moe_act`` recompute off/on, it builds Meg
 * ``grouped_linears`` — Megatron's own ``TEGroupedMLP`` over te_paged's ``GroupedLinear``;
 * ``perturbed`` — ``te_paged`` with one expert weight element changed by 1e-2.
 
-Each rank writes ``rank<r>.json``: per case and comparison, per tensor (output, input grad,
+Each rank's results hold, per case and comparison, per tensor (output, input grad,
 router weight grad, each expert weight grad in ``SequentialMLP`` naming), whether it is bitwise
 equal to the other side and its largest absolute difference; plus the stash statistics and the
 checkpoint round trip; and, per EP size, Megatron distributed checkpoints moved between
@@ -22,17 +22,9 @@ checkpoint round trip; and, per EP size, Megatron distributed checkpoints moved 
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import faulthandler
-import json
-import sys
 from pathlib import Path
 
 import torch
-
-from te_paged.integrations.megatron import cpu_shims as stubs
-from te_paged.integrations.megatron.releases import installed_version
 
 SEQ, BATCH, HIDDEN, FFN, EXPERTS, TOPK = 8, 2, 16, 32, 8, 2
 STEPS = 2
@@ -312,41 +304,21 @@ def dist_checkpoint_case(ep: int, rank: int, root: Path) -> dict:
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="folder for rank<r>.json")
-    parser.add_argument("--timeout-s", type=float, default=200.0, help="watchdog: exit after")
-    args = parser.parse_args(argv)
-    # A rank whose peers died would wait in a collective for ever: dump the stacks and exit.
-    faulthandler.dump_traceback_later(args.timeout_s, exit=True)
-    stubs.install()
-    import torch.distributed as dist
+def run_cases(rank: int, world: int, out: Path) -> dict:
     from megatron.core import parallel_state
 
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
-    rank = dist.get_rank()
-    results = {"world_size": dist.get_world_size(), "megatron_core": installed_version()}
-    try:
-        for ep in EPS:
-            parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
-            try:
-                for dispatcher in DISPATCHERS:
-                    for recompute in (False, True):
-                        results[case_id(ep, dispatcher, recompute)] = run_case(
-                            ep, dispatcher, recompute, rank
-                        )
-                results[f"dist_checkpoint-ep{ep}"] = dist_checkpoint_case(
-                    ep, rank, args.out / "dist_checkpoint"
-                )
-            finally:
-                parallel_state.destroy_model_parallel()
-    finally:
-        dist.destroy_process_group()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
-    faulthandler.cancel_dump_traceback_later()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    results = {}
+    for ep in EPS:
+        parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
+        try:
+            for dispatcher in DISPATCHERS:
+                for recompute in (False, True):
+                    results[case_id(ep, dispatcher, recompute)] = run_case(
+                        ep, dispatcher, recompute, rank
+                    )
+            results[f"dist_checkpoint-ep{ep}"] = dist_checkpoint_case(
+                ep, rank, out / "dist_checkpoint"
+            )
+        finally:
+            parallel_state.destroy_model_parallel()
+    return results

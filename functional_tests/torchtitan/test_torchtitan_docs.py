@@ -3,23 +3,34 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
 from functional_tests.launch import REPO_ROOT, torchrun
+from functional_tests.prelaunch import alone
 
 pytest.importorskip("torchtitan")  # installed by scripts/test.sh; never skipped in CI
 
 EXAMPLE = re.compile(r"<!-- example: torchtitan-train -->\n```python\n(.*?)\n```", re.DOTALL)
 
 
-def test_the_docs_example_trains_under_paged_stash_trainer(tmp_path):
+def _launch(out: Path) -> str:
     (code,) = EXAMPLE.findall((REPO_ROOT / "docs" / "torchtitan.md").read_text())
-    script = tmp_path / "train_paged.py"
+    script = out / "train_paged.py"
     script.write_text(code + "\n")
-    out = torchrun(  # in tmp_path: torchtitan writes its dump folder, ./outputs, there
-        [str(script)], nproc=2, timeout_s=300, env={"PYTHONWARNINGS": "ignore"}, cwd=tmp_path
+    output = torchrun(  # in out: torchtitan writes its dump folder, ./outputs, there
+        [str(script)], nproc=2, timeout_s=300, env={"PYTHONWARNINGS": "ignore"}, cwd=out
     )
+    return output
+
+
+LAUNCH = alone("torchtitan docs", _launch)
+LAUNCHES = [LAUNCH]
+
+
+def test_the_docs_example_trains_under_paged_stash_trainer(launches):
+    out = launches.result(LAUNCH)
     steps = re.findall(r"step (\d+): attempt (\d), paged (True|False)", out)
     assert len(steps) == 2 * 3, out[-3000:]  # both ranks, three steps
     assert {s for s, _a, _p in steps} == {"1", "2", "3"}

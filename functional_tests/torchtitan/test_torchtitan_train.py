@@ -12,6 +12,7 @@ import json
 import pytest
 
 from functional_tests.launch import torchrun
+from functional_tests.prelaunch import alone
 from functional_tests.torchtitan import worker
 
 pytest.importorskip("torchtitan")  # installed by scripts/test.sh; never skipped in CI
@@ -19,9 +20,7 @@ pytest.importorskip("torchtitan")  # installed by scripts/test.sh; never skipped
 WORLD_SIZE = 4
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("torchtitan")
+def _launch(out) -> list[dict]:
     torchrun(
         ["-m", "functional_tests.torchtitan.worker", "--out", str(out)],
         nproc=WORLD_SIZE,
@@ -31,6 +30,15 @@ def results(tmp_path_factory):
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
     assert all(r["world_size"] == WORLD_SIZE for r in ranks)
     return ranks
+
+
+LAUNCH = alone("torchtitan", _launch)
+LAUNCHES = [LAUNCH]
+
+
+@pytest.fixture(scope="module")
+def results(launches):
+    return launches.result(LAUNCH)
 
 
 def _steps(results, case):

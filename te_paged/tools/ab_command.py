@@ -12,11 +12,16 @@ import dataclasses
 import datetime
 import importlib.util
 import os
-import socket
 import sys
 
 from te_paged.tools.argtypes import check_output, open_output
-from te_paged.tools.launch import Interrupted, RankFailure, RankWatchdog, spawn_ranks
+from te_paged.tools.launch import (
+    Interrupted,
+    RankFailure,
+    RankWatchdog,
+    rendezvous_url,
+    spawn_ranks,
+)
 
 __all__ = ["check_ab_args", "model_config", "run_ab_command"]
 
@@ -284,12 +289,6 @@ def _resolve_device(device: str, world: int, under_torchrun: bool) -> str:
     return "cuda" if under_torchrun or torch.cuda.device_count() >= world else "cpu"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _progress(rank: int, world: int, device: str, steps: int, watchdog: RankWatchdog):
     """``(progress, close)``: every rank tells its watchdog what finished; rank 0 also shows
     it, the OFF run's steps then the ON run's (see :class:`~te_paged.tools.progress.Progress`:
@@ -310,8 +309,11 @@ def _progress(rank: int, world: int, device: str, steps: int, watchdog: RankWatc
     return progress, (shown.close if shown is not None else lambda: None)
 
 
-def _rank(rank: int, world: int, watchdog: RankWatchdog, init: str, args: argparse.Namespace):
-    """One rank's run; returns the gathered result on rank 0 (``None`` elsewhere)."""
+def _rank(
+    rank: int, world: int, watchdog: RankWatchdog, init: str | None, args: argparse.Namespace
+):
+    """One rank's run; returns the gathered result on rank 0 (``None`` elsewhere). ``init``:
+    the process group's ``init_method``; ``None`` for spawned ranks (their run's file)."""
     import torch
     import torch.distributed as dist
 
@@ -342,7 +344,7 @@ def _rank(rank: int, world: int, watchdog: RankWatchdog, init: str, args: argpar
         torch.cuda.set_device(device)
     dist.init_process_group(
         backend,
-        init_method=init,
+        init_method=init or rendezvous_url(watchdog),
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=args.timeout),
@@ -420,10 +422,9 @@ def run_ab_command(args: argparse.Namespace) -> int:
         if rank != 0:
             return 0
     else:
-        init = f"tcp://127.0.0.1:{_free_port()}"
         try:
             result = spawn_ranks(
-                _rank, world, args.timeout * 1.1 + 5, init, args, tracebacks=args.traceback
+                _rank, world, args.timeout * 1.1 + 5, None, args, tracebacks=args.traceback
             )
         except RankFailure as e:
             print(f"te-paged ab: error: {e}", file=sys.stderr)

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Interrupted", "RankFailure", "RankWatchdog", "spawn_ranks"]
+__all__ = ["Interrupted", "RankFailure", "RankWatchdog", "rendezvous_url", "spawn_ranks"]
 
 RESULT = "result.pkl"
 _POLL_S = 0.2
@@ -213,6 +213,15 @@ def _entry(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def rendezvous_url(watchdog: RankWatchdog) -> str:
+    """``init_method`` for the ranks of one :func:`spawn_ranks` run: a file in the run's private
+    directory. No TCP port is picked, so runs started at the same time cannot race for one (a
+    port found free and then bound by another run failed a rank with ``EADDRINUSE``)."""
+    if watchdog.directory is None:
+        raise ValueError("rendezvous_url needs a rank started by spawn_ranks")
+    return (watchdog.directory / "rendezvous").resolve().as_uri()
 
 
 def spawn_ranks(

@@ -216,6 +216,20 @@ def forward_step(data_iterator, model, before_forward: Callable[[], None] | None
     return output, loss_func
 
 
+def _reset_aux_loss_tracker() -> None:
+    """Drop Megatron's aux-loss entries. Megatron sizes each entry by the layer count of the
+    first model that records it and only zeroes it afterwards, so a model of another depth built
+    later in the process (a pipeline run after a 2-layer one) would index past its end."""
+    try:  # megatron-core >= 0.17: a global MoEMetricsTracker
+        from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+    except ImportError:  # 0.16.1: the tracker is this global dict itself
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        get_moe_layer_wise_logging_tracker().clear()
+    else:
+        destroy_moe_metrics_tracker()
+
+
 def _build(cfg: MegatronModelConfig, paged: bool, ep: int, device: torch.device, rank: int):
     from megatron.core import parallel_state
     from megatron.core.distributed import (
@@ -227,7 +241,6 @@ def _build(cfg: MegatronModelConfig, paged: bool, ep: int, device: torch.device,
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
     from te_paged.integrations.megatron import (
         MegatronPagedStashRunner,
@@ -238,7 +251,7 @@ def _build(cfg: MegatronModelConfig, paged: bool, ep: int, device: torch.device,
 
     model_parallel_cuda_manual_seed(cfg.seed, force_reset_rng=True)
     torch.manual_seed(cfg.seed)
-    clear_aux_losses_tracker()
+    _reset_aux_loss_tracker()
     native, overrides = split_paged_stash_fields(**_paged_stash_fields(cfg, paged))
     tcfg = _transformer_config(cfg, ep, native)
     # The MLP spec is replaced below: ask for the plain one (no deprecation notice).

@@ -18,8 +18,6 @@ Cases, each checked per rank in the parent from what the ranks saved:
 from __future__ import annotations
 
 import datetime
-import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -66,11 +64,16 @@ def counters(disp: StaticBudgetDispatcher) -> dict[str, int]:
     return {name: int(getattr(disp, name)) for name in names}
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank: int, out_dir: str) -> None:
     torch.set_num_threads(1)
+    # A file store in the test's folder: no port to pick (one found free can be taken by a
+    # launch running beside the test before the store binds it).
     dist.init_process_group(
-        "gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60)
+        "gloo",
+        init_method=(Path(out_dir) / "store").as_uri(),
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=60),
     )
     try:
         group, res = dist.group.WORLD, {}
@@ -122,16 +125,10 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("ep")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(str(out),), nprocs=WORLD, join=True)
     return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
 
 

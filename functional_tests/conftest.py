@@ -1,0 +1,42 @@
+"""The background lane of rank launches (functional_tests/prelaunch.py): planned when
+collection ends, from the ``LAUNCHES`` of every collected test module, in test order."""
+
+from __future__ import annotations
+
+import pytest
+
+from functional_tests import launch, prelaunch
+
+_LANE: prelaunch.Lane | None = None
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    global _LANE
+    if session.config.option.collectonly:
+        return
+    factory = session.config._tmp_path_factory  # the session's tmp_path_factory
+    _LANE = prelaunch.Lane(lambda name: factory.mktemp(name.replace(" ", "_")))
+    modules = dict.fromkeys(
+        item.module for item in session.items if getattr(item, "module", None) is not None
+    )
+    _LANE.plan(x for m in modules for x in getattr(m, "LAUNCHES", ()))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _LANE is not None:
+        _LANE.stop()
+    launch.end_all()
+
+
+@pytest.fixture(scope="session")
+def launches() -> prelaunch.Lane:
+    """The lane: ``launches.result(LAUNCH)`` is that launch's result."""
+    if _LANE is None:  # collection ran without this plugin's hook (should not happen)
+        pytest.fail("the prelaunch lane was not planned")
+    return _LANE
+
+
+@pytest.fixture
+def quiet_machine(launches: prelaunch.Lane) -> None:
+    """No background launch runs during this test: for a test that times its own ranks."""
+    launches.drain()

@@ -1,0 +1,117 @@
+"""Start the rank launches the collected tests need as soon as collection ends, in the background.
+
+Most functional tests read the results of one ``torchrun`` launch per module. The in-process
+tests that run before them keep one of the machine's two cores busy; a launch started in the
+background fills the other. So when collection ends (``functional_tests/conftest.py``) the
+suite starts every :class:`Launch` the collected test modules declare (their ``LAUNCHES``), one
+at a time, in the order the tests come, on one background thread; a module's fixture then waits
+for its launch's result (:meth:`Lane.result`). A launch no collected test declared runs when its
+fixture asks for it, on the test's own thread.
+
+Launches that share a :attr:`Launch.group` are one launch: ``run`` gets every part the collected
+tests need and returns each part's result. The Megatron workers on one release share one
+(megatron-core's import and gloo's set-up paid once; see ``functional_tests/megatron``).
+
+``TE_PAGED_PRELAUNCH=0`` turns the background lane off: every launch then runs when its first
+test needs it (for a failure to read in order, or a timing without overlap).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ENABLE_ENV = "TE_PAGED_PRELAUNCH"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One launch a test module needs. ``run(parts, folder)`` runs the launch for ``parts`` (the
+    parts of this group the collected tests need, in test order) in a fresh folder and returns
+    ``{part: result}``; it fails the test (``pytest.fail``) when the launch fails."""
+
+    group: str
+    part: str
+    run: Callable[[tuple[str, ...], Path], dict[str, Any]]
+
+
+def alone(name: str, run: Callable[[Path], Any]) -> Launch:
+    """A launch that shares its group with no other part: ``run(folder)`` is its result."""
+    return Launch(name, name, lambda parts, out: {name: run(out)})
+
+
+class Lane:
+    """The background thread that runs the planned launches, one at a time."""
+
+    def __init__(self, mktemp: Callable[[str], Path]) -> None:
+        self._mktemp = mktemp
+        self._lock = threading.Lock()
+        self._parts: dict[str, list[str]] = {}  # group -> parts, in test order
+        self._runs: dict[str, Callable] = {}
+        self._futures: dict[str, Future] = {}  # group -> its launch's {part: result}
+        self._queue: list[str] = []
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def plan(self, launches: Iterable[Launch]) -> None:
+        """Queue ``launches`` (merged by group, in the order given) and start the thread."""
+        for launch in launches:
+            parts = self._parts.setdefault(launch.group, [])
+            if launch.part not in parts:
+                parts.append(launch.part)
+            if launch.group not in self._runs:
+                self._runs[launch.group] = launch.run
+                self._queue.append(launch.group)
+        if self._queue and os.environ.get(ENABLE_ENV, "1") != "0":
+            self._thread = threading.Thread(target=self._work, name="prelaunch", daemon=True)
+            self._thread.start()
+
+    def result(self, launch: Launch) -> Any:
+        """``launch``'s result: waits for the background launch, or runs it now when it is
+        not queued (or not started yet)."""
+        future, owner = self._claim(launch.group, launch.part, launch.run)
+        if owner:
+            self._execute(launch.group, future)
+        return future.result()[launch.part]
+
+    def drain(self) -> None:
+        """Wait until the background thread has run every queued launch (for a test whose
+        timing a launch beside it would disturb)."""
+        if self._thread is not None:
+            self._thread.join()
+
+    def stop(self) -> None:
+        """Start nothing more (the session is ending); a running launch ends by its timeout or
+        by the session's end, which ends its process group."""
+        self._stopped.set()
+
+    def _claim(self, group: str, part: str, run: Callable) -> tuple[Future, bool]:
+        """The group's future, and whether the caller must run it (nobody has yet)."""
+        with self._lock:
+            if group in self._futures:
+                return self._futures[group], False
+            parts = self._parts.setdefault(group, [])
+            if part not in parts:
+                parts.append(part)
+            self._runs.setdefault(group, run)
+            future = self._futures[group] = Future()
+            return future, True
+
+    def _execute(self, group: str, future: Future) -> None:
+        try:
+            future.set_result(self._runs[group](tuple(self._parts[group]), self._mktemp(group)))
+        except BaseException as e:  # pytest.fail raises an OutcomeException (a BaseException)
+            future.set_exception(e)
+
+    def _work(self) -> None:
+        for group in self._queue:
+            if self._stopped.is_set():
+                return
+            future, owner = self._claim(group, self._parts[group][0], self._runs[group])
+            if owner:
+                self._execute(group, future)
