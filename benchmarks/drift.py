@@ -45,7 +45,7 @@ import torch.distributed as dist
 from te_paged.runtime import PagedStashRunner
 from te_paged.runtime.memory import measure_peak
 from te_paged.runtime.planner import RoutingProfile, recommend
-from te_paged.tools.launch import spawn_ranks
+from te_paged.tools.launch import rendezvous_url, spawn_ranks
 from te_paged.tools.model import ModelConfig, ToyMoEModel, make_batch
 
 RUNS = {"fixed": False, "self-sizing": True}  # name -> grow_pool
@@ -148,11 +148,11 @@ def _train(cfg: ModelConfig, grow: bool, args, rank: int, world: int, watchdog, 
     }
 
 
-def _rank(rank: int, world: int, watchdog, init: str, args: argparse.Namespace):
+def _rank(rank: int, world: int, watchdog, args: argparse.Namespace):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group(
         "gloo",
-        init_method=init,
+        init_method=rendezvous_url(watchdog),
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=args.timeout),
@@ -299,10 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         print("drift.py: --steps must be >= 8 (four phases) and --nproc >= 1", file=sys.stderr)
         return 2
     command = "python benchmarks/drift.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    from te_paged.tools.ab_command import _free_port
-
-    init = f"tcp://127.0.0.1:{_free_port()}"
-    ranks = spawn_ranks(_rank, args.nproc, args.timeout, init, args, tracebacks=True)
+    ranks = spawn_ranks(_rank, args.nproc, args.timeout, args, tracebacks=True)
     summary = summarize(ranks, args)
     text = report(summary, args, command)
     print(text)
