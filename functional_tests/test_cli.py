@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from te_paged import cli
@@ -521,9 +522,16 @@ def test_ab_engine_megatron_without_megatron_exits_2_with_the_install_line(
 
 
 def _rank_processes(parent) -> list:
-    """The spawned ranks of a ``te-paged ab`` process (not multiprocessing's resource tracker)."""
-    children = parent.children(recursive=False)
-    return [c for c in children if "resource_tracker" not in " ".join(c.cmdline())]
+    """The ranks of a ``te-paged ab`` process: the children of its forkserver (not the
+    forkserver itself, nor multiprocessing's resource tracker)."""
+    ranks = []
+    for child in parent.children(recursive=False):
+        try:
+            if "forkserver" in " ".join(child.cmdline()):
+                ranks += child.children(recursive=False)
+        except psutil.NoSuchProcess:
+            pass
+    return ranks
 
 
 def test_a_stopped_rank_ends_the_run_naming_it_and_leaves_no_process(quiet_machine) -> None:

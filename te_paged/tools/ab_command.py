@@ -424,8 +424,10 @@ def run_ab_command(args: argparse.Namespace) -> int:
     else:
         try:
             result = spawn_ranks(
-                _rank, world, args.timeout * 1.1 + 5, None, args, tracebacks=args.traceback
-            )
+                _rank, world, args.timeout * 1.1 + 5, None, args, tracebacks=args.traceback,
+                # torch's import (no CUDA call) once for every rank
+                preload=("torch", "torch.distributed", __name__),
+            )  # fmt: skip
         except RankFailure as e:
             print(f"te-paged ab: error: {e}", file=sys.stderr)
             return 3

@@ -225,12 +225,27 @@ def rendezvous_url(watchdog: RankWatchdog) -> str:
 
 
 def spawn_ranks(
-    target: Callable, nproc: int, timeout_s: float, *args: Any, tracebacks: bool = False
+    target: Callable,
+    nproc: int,
+    timeout_s: float,
+    *args: Any,
+    tracebacks: bool = False,
+    preload: tuple[str, ...] = (),
 ) -> Any:
     """Run ``target(rank, nproc, watchdog, *args)`` on ``nproc`` spawned processes; return
     rank 0's return value, or raise :class:`RankFailure` (every process ended). A failing rank
-    reports one line; ``tracebacks`` also prints its traceback."""
+    reports one line; ``tracebacks`` also prints its traceback.
+
+    ``preload``: modules to import once, in a forkserver the ranks are then forked from, instead
+    of in every rank (torch's import alone is seconds of CPU a rank). Only for modules whose
+    import touches no accelerator: a process forked after CUDA was initialised cannot use it.
+    """
+    import multiprocessing
+
     import torch.multiprocessing as mp
+
+    if preload:
+        multiprocessing.set_forkserver_preload(list(preload))
 
     directory = tempfile.mkdtemp(prefix="te_paged_ab_")  # 0700, a name no one can predict
     procs: list = []
@@ -241,7 +256,7 @@ def spawn_ranks(
                 args=(target, nproc, directory, timeout_s, tracebacks, *args),
                 nprocs=nproc,
                 join=False,
-                start_method="spawn",
+                start_method="forkserver" if preload else "spawn",
             )
             procs = ctx.processes
             signals.arm()
