@@ -80,8 +80,13 @@ class Lane:
         return future.result()[launch.part]
 
     def drain(self) -> None:
-        """Wait until the background thread has run every queued launch (for a test whose
-        timing a launch beside it would disturb)."""
+        """Run every queued launch before returning (for a test whose timing a launch beside it
+        would disturb): those not started yet run here, beside the one on the lane, so the
+        wait is shorter."""
+        for group in self._queue:
+            future, owner = self._claim(group, self._parts[group][0], self._runs[group])
+            if owner:
+                self._execute(group, future)
         if self._thread is not None:
             self._thread.join()
 
