@@ -68,7 +68,7 @@ class Lane:
                 self._runs[launch.group] = launch.run
                 self._queue.append(launch.group)
         if self._queue and os.environ.get(ENABLE_ENV, "1") != "0":
-            self._thread = threading.Thread(target=self._work, name="prelaunch", daemon=True)
+            self._thread = threading.Thread(target=self._run_queued, name="prelaunch", daemon=True)
             self._thread.start()
 
     def result(self, launch: Launch) -> Any:
@@ -83,10 +83,7 @@ class Lane:
         """Run every queued launch before returning (for a test whose timing a launch beside it
         would disturb): those not started yet run here, beside the one on the lane, so the
         wait is shorter."""
-        for group in self._queue:
-            future, owner = self._claim(group, self._parts[group][0], self._runs[group])
-            if owner:
-                self._execute(group, future)
+        self._run_queued()
         if self._thread is not None:
             self._thread.join()
 
@@ -113,7 +110,8 @@ class Lane:
         except BaseException as e:  # pytest.fail raises an OutcomeException (a BaseException)
             future.set_exception(e)
 
-    def _work(self) -> None:
+    def _run_queued(self) -> None:
+        """Run, on this thread, each queued launch nobody has started yet, in order."""
         for group in self._queue:
             if self._stopped.is_set():
                 return
