@@ -1,5 +1,6 @@
 """The background lane of rank launches (functional_tests/prelaunch.py): planned when
-collection ends, from the ``LAUNCHES`` of every collected test module, in test order."""
+collection ends, in test order, from what each selected test reads (its ``launch`` marks, or
+its module's ``LAUNCHES``)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,14 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return
     factory = session.config._tmp_path_factory  # the session's tmp_path_factory
     _LANE = prelaunch.Lane(lambda name: factory.mktemp(name.replace(" ", "_")))
-    modules = dict.fromkeys(
-        item.module for item in session.items if getattr(item, "module", None) is not None
-    )
-    _LANE.plan(x for m in modules for x in getattr(m, "LAUNCHES", ()))
+    _LANE.plan(launch for item in session.items for launch in _needs(item))
+
+
+def _needs(item: pytest.Item) -> list[prelaunch.Launch]:
+    """The launches ``item`` reads: its ``@pytest.mark.launch(LAUNCH)`` marks, or else its
+    module's ``LAUNCHES`` (read by a module fixture)."""
+    marked = [mark.args[0] for mark in item.iter_markers("launch")]
+    return marked or list(getattr(getattr(item, "module", None), "LAUNCHES", ()))
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

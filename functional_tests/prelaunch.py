@@ -2,11 +2,12 @@
 
 Most functional tests read the results of one ``torchrun`` launch per module. The in-process
 tests that run before them keep one of the machine's two cores busy; a launch started in the
-background fills the other. So when collection ends (``functional_tests/conftest.py``) the
-suite starts every :class:`Launch` the collected test modules declare (their ``LAUNCHES``), one
-at a time, in the order the tests come, on one background thread; a module's fixture then waits
-for its launch's result (:meth:`Lane.result`). A launch no collected test declared runs when its
-fixture asks for it, on the test's own thread.
+background fills the other. So when collection ends (``functional_tests/conftest.py``) the suite
+starts every :class:`Launch` the selected tests read (a test's ``@pytest.mark.launch(L)``, or
+its module's ``LAUNCHES`` for a module fixture), one at a time, in the order the tests come, on
+one background thread; a module's fixture then waits for its launch's result
+(:meth:`Lane.result`). A launch no collected test declared runs when its fixture asks for it, on
+the test's own thread.
 
 Launches that share a :attr:`Launch.group` are one launch: ``run`` gets every part the collected
 tests need and returns each part's result. The Megatron workers on one release share one

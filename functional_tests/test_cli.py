@@ -73,7 +73,6 @@ AB_MEGATRON_PIPELINE = ab_launch(
     "ab megatron pipeline", "--engine", "megatron", "--pipeline-parallel", "2", "--microbatches",
     "4", "--layers", "4", *_SMALL_MEGATRON, "--buffer-factor-cuda", "1.6", "--steps", "2",
 )  # fmt: skip
-LAUNCHES = [AB_MEGATRON, AB_TORCHTITAN, AB_MEGATRON_RERUNS, AB_MEGATRON_PIPELINE]
 
 
 def test_help_lists_every_command_and_flag() -> None:
@@ -398,6 +397,7 @@ def test_a_runtime_failure_exits_3_with_one_line(monkeypatch, capsys) -> None:
     assert err == "te-paged ab: error: RuntimeError: the pool caught fire\n"
 
 
+@pytest.mark.launch(AB_MEGATRON)
 def test_ab_engine_megatron_default_model_is_bitwise_and_saves_memory(launches) -> None:
     # The default Megatron model on 4 spawned ranks (EP 4): the saving inside Megatron's
     # GPTModel must reach 0.95 of the reload-adjusted model (cf − bf − cf/L) × S.
@@ -420,6 +420,7 @@ def test_ab_engine_megatron_default_model_is_bitwise_and_saves_memory(launches) 
     assert memory["measured_over_reload_adjusted"] >= 0.95, memory
 
 
+@pytest.mark.launch(AB_TORCHTITAN)
 def test_ab_engine_torchtitan_default_model_is_bitwise_and_saves_memory(launches) -> None:
     # torchtitan's Trainer and DeepSeek-V3 on 4 spawned ranks (EP 4): the saving must reach
     # 0.95 of the reload-adjusted model (cf − bf − cf/L) × S.
@@ -440,6 +441,7 @@ def test_ab_engine_torchtitan_default_model_is_bitwise_and_saves_memory(launches
     assert memory["measured_over_reload_adjusted"] >= 0.95, memory
 
 
+@pytest.mark.launch(AB_MEGATRON_RERUNS)
 def test_ab_engine_megatron_forced_reruns_stay_bitwise(launches) -> None:
     proc, js = launches.result(AB_MEGATRON_RERUNS)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -450,6 +452,7 @@ def test_ab_engine_megatron_forced_reruns_stay_bitwise(launches) -> None:
     assert data["memory"] is None and "every step after the capture step" in proc.stdout
 
 
+@pytest.mark.launch(AB_MEGATRON_PIPELINE)
 def test_ab_engine_megatron_pipeline_prints_each_stage(launches) -> None:
     # The memory table and record per stage: stage 0 holds 2 microbatches in flight, stage 1
     # one, so twice the pool.
