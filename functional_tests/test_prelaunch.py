@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from functional_tests import launch
+from functional_tests import launch, prelaunch
 from functional_tests.prelaunch import Lane, Launch
 
 
@@ -28,13 +28,21 @@ def test_launches_of_one_group_run_once_with_every_part_in_test_order(tmp_path) 
         calls.append((parts, out.name))
         return {part: f"{part} done" for part in parts}
 
+    ran = threading.Event()
+
+    def other_run(parts, out):
+        ran.set()
+        return {"x": threading.current_thread().name}
+
     first, second = Launch("g", "b", run), Launch("g", "a", run)
-    other = Launch("h", "x", lambda parts, out: {"x": threading.current_thread().name})
+    other = Launch("h", "x", other_run)
     lane = _lane(tmp_path)
     lane.plan([first, other, second, first])
     assert lane.result(second) == "a done" and lane.result(first) == "b done"
     assert calls == [(("b", "a"), "g")]
-    assert lane.result(other) == "prelaunch"  # ran on the lane's thread, not the test's
+    # Once it has run, the test's own result() cannot have started it: a lane's thread did.
+    assert ran.wait(timeout=30)
+    assert lane.result(other).startswith("prelaunch-")
 
 
 def test_a_failed_launch_fails_every_test_that_reads_it(tmp_path) -> None:
@@ -88,3 +96,54 @@ def test_end_all_ends_a_launch_still_running_on_another_thread() -> None:
     thread.join(timeout=30)
     assert results and results[0].returncode < 0  # ended by a signal
     assert time.monotonic() - started < 30 and sys.executable in results[0].args
+
+
+@pytest.mark.parametrize("setting, threads", [("1", 1), ("3", 3), (None, prelaunch.THREADS)])
+def test_the_setting_is_the_number_of_threads(tmp_path, monkeypatch, setting, threads) -> None:
+    if setting is None:
+        monkeypatch.delenv("TE_PAGED_PRELAUNCH")
+    else:
+        monkeypatch.setenv("TE_PAGED_PRELAUNCH", setting)
+    release, names = threading.Event(), set()
+
+    def hold(parts, out):
+        names.add(threading.current_thread().name)
+        release.wait(timeout=30)
+        return {p: None for p in parts}
+
+    lane = _lane(tmp_path)
+    lane.plan([Launch(g, g, hold) for g in "abcd"])
+    deadline = time.monotonic() + 30
+    while len(names) < threads and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # a thread too many would have started a launch by now
+    assert names == {f"prelaunch-{i}" for i in range(threads)}
+    release.set()
+    lane.drain()
+
+
+def test_a_bad_setting_is_refused_before_anything_starts(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("TE_PAGED_PRELAUNCH", "two")
+    started = []
+    with pytest.raises(ValueError, match=r"TE_PAGED_PRELAUNCH=.two..*number of threads"):
+        _lane(tmp_path).plan([Launch("g", "a", lambda parts, out: started.append(parts))])
+    assert started == []
+
+
+def test_the_log_has_a_line_per_launch_with_its_thread_and_times(tmp_path, monkeypatch) -> None:
+    log = tmp_path / "lane.log"
+    monkeypatch.setenv("TE_PAGED_PRELAUNCH_LOG", str(log))
+
+    def run(parts, out):
+        if parts == ("bad",):
+            pytest.fail("rank 0 exited with 1")
+        return {p: None for p in parts}
+
+    lane = _lane(tmp_path)
+    lane.plan([Launch("g", "a", run), Launch("h", "bad", run)])
+    lane.drain()
+    lines = sorted(line.split("\t") for line in log.read_text().splitlines())
+    assert [line[0] for line in lines] == ["g", "h"]  # the failed launch too
+    for _group, thread, start, end in lines:
+        assert float(start) <= float(end) <= time.time()
+        assert thread.startswith("prelaunch-") or thread == "MainThread"
