@@ -49,6 +49,19 @@ def te_paged(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
     return run_python(["-m", "te_paged", *args], timeout_s=timeout)
 
 
+def plan(capsys, *args: str) -> subprocess.CompletedProcess:
+    """``te-paged plan *args`` through ``cli.main`` in this process: ``plan`` only computes, and
+    a process of its own costs a torch import (about 3 s of CPU) a call. The real process is
+    tested on ``plan --profile`` (:func:`test_ab_spawns_ranks_and_writes_json_plot_and_profile`)
+    and on bad arguments (:func:`test_bad_arguments_print_no_traceback_from_a_real_process`)."""
+    try:
+        code = cli.main(["plan", *args])
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["te-paged", "plan", *args], code, out.out, out.err)
+
+
 def ab_launch(name: str, *args: str) -> Launch:
     """``te-paged ab *args --json <folder>/ab.json``, started in the background with the
     suite's other launches (functional_tests/prelaunch.py); its result is the finished process
@@ -181,9 +194,9 @@ def test_ab_exit_status_is_1_when_on_and_off_differ(monkeypatch, capsys) -> None
     assert "DIFFER" in capsys.readouterr().out
 
 
-def test_plan_named_model_reproduces_the_maxtext_table() -> None:
-    proc = te_paged(
-        "plan",
+def test_plan_named_model_reproduces_the_maxtext_table(capsys) -> None:
+    proc = plan(
+        capsys,
         "--model",
         "deepseek-v3",
         "--seq-length",
@@ -204,13 +217,13 @@ def test_plan_named_model_reproduces_the_maxtext_table() -> None:
     assert "3.50 GiB per layer, 210.00 GiB over all layers static; 52.50 GiB" in proc.stdout
 
 
-def test_plan_prints_the_in_flight_peak_and_pool_of_each_pipeline_stage() -> None:
-    model = ("plan", "--model", "deepseek-v3", "--ep", "64", "--capacity-factor", "1.5")
-    one = te_paged(*model)
-    also_one = te_paged(*model, "--pipeline-parallel", "1", "--microbatches", "8")
+def test_plan_prints_the_in_flight_peak_and_pool_of_each_pipeline_stage(capsys) -> None:
+    model = ("--model", "deepseek-v3", "--ep", "64", "--capacity-factor", "1.5")
+    one = plan(capsys, *model)
+    also_one = plan(capsys, *model, "--pipeline-parallel", "1", "--microbatches", "8")
     assert one.returncode == also_one.returncode == 0, one.stderr + also_one.stderr
     assert also_one.stdout == one.stdout and "pipeline" not in one.stdout  # PP 1: unchanged
-    proc = te_paged(*model, "--pipeline-parallel", "2", "--microbatches", "8")
+    proc = plan(capsys, *model, "--pipeline-parallel", "2", "--microbatches", "8")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(one.stdout)
     lines = proc.stdout[len(one.stdout) :].splitlines()
@@ -227,7 +240,7 @@ def test_plan_prints_the_in_flight_peak_and_pool_of_each_pipeline_stage() -> Non
     # up with 2 x 3 + 1 x 4 = 10 passes and peaks at 11 microbatch-chunks, 77 layers
     megatron_names = ["--pipeline-model-parallel-size", "4", "--num-microbatches", "8",
                       "--num-virtual-stages-per-pipeline-rank", "2"]  # fmt: skip
-    proc = te_paged(*model, "--layers", "56", *megatron_names)
+    proc = plan(capsys, *model, "--layers", "56", *megatron_names)
     assert proc.returncode == 0, proc.stderr
     assert "interleaved, 2 model chunk(s) of 7 MoE layers per stage, microbatch group 4" in (
         proc.stdout
@@ -240,13 +253,13 @@ def test_plan_prints_the_in_flight_peak_and_pool_of_each_pipeline_stage() -> Non
     ]  # fmt: skip
 
 
-def test_plan_says_a_totals_only_profile_gives_a_lower_bound(tmp_path) -> None:
+def test_plan_says_a_totals_only_profile_gives_a_lower_bound(tmp_path, capsys) -> None:
     # Rank 0 keeps its 8 rows, rank 1 likewise: 1.0 per rank, 2.0 per (source, dest) pair.
     kw = {"num_experts": 2, "ep_size": 2, "top_k": 2, "tokens_per_rank": 4}
     RoutingProfile(tokens=[[[8, 8]]], **kw).to_json(tmp_path / "totals.json")
     RoutingProfile(tokens_by_source=[[[[8, 0], [0, 8]]]], **kw).to_json(tmp_path / "pairs.json")
-    totals = te_paged("plan", "--profile", str(tmp_path / "totals.json"))
-    pairs = te_paged("plan", "--profile", str(tmp_path / "pairs.json"))
+    totals = plan(capsys, "--profile", str(tmp_path / "totals.json"))
+    pairs = plan(capsys, "--profile", str(tmp_path / "pairs.json"))
     assert totals.returncode == pairs.returncode == 0
     # one profiled step cannot show a 1 % rerun rate: said, on stderr, with what would
     assert "profile has 1 step(s), too few for a 1.00% rerun rate" in totals.stderr
@@ -257,8 +270,8 @@ def test_plan_says_a_totals_only_profile_gives_a_lower_bound(tmp_path) -> None:
     assert "exact for te_paged's budget per (source, destination) rank pair" in pairs.stdout
 
 
-def test_plan_needs_exactly_one_source() -> None:
-    proc = te_paged("plan")
+def test_plan_needs_exactly_one_source(capsys) -> None:
+    proc = plan(capsys)
     assert proc.returncode == 2 and "exactly one of --profile or --model" in proc.stderr
 
 
