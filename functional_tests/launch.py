@@ -3,11 +3,13 @@ left behind."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parent.parent
 _LIVE: dict[subprocess.Popen, threading.Thread] = {}  # running now -> the thread waiting on it
 _LIVE_LOCK = threading.Lock()
+_BASE = threading.local()  # .env: this thread's base environment for commands (environment())
 
 
 def torchrun(
@@ -31,6 +34,19 @@ def torchrun(
     return proc.stdout
 
 
+@contextlib.contextmanager
+def environment(env: Mapping[str, str]) -> Iterator[None]:
+    """Commands this thread starts inside the block get ``env``, not the live ``os.environ``,
+    as the environment ``run_python`` adds to. A launch on the background lane runs beside the
+    tests; a test's ``monkeypatch.setenv`` (``RANK``/``WORLD_SIZE`` for an in-process ``ab``)
+    must not reach the ranks it starts."""
+    _BASE.env = dict(env)
+    try:
+        yield
+    finally:
+        del _BASE.env
+
+
 def run_python(
     args: list[str],
     *,
@@ -40,16 +56,18 @@ def run_python(
     merge_output: bool = False,
 ) -> subprocess.CompletedProcess:
     """``python *args`` from the repository root (or ``cwd``) with the repository on
-    ``PYTHONPATH`` and ``env`` added; its exit status and output, stderr in stdout with
+    ``PYTHONPATH`` and ``env`` added to the environment (``os.environ``, or the one
+    :func:`environment` set on this thread); its exit status and output, stderr in stdout with
     ``merge_output``.
 
     It runs in a session of its own. After ``timeout_s`` (a test failure), or when the test
     session ends first (:func:`end_all`), it gets SIGTERM, on which torchrun and ``te-paged
     ab`` end their ranks; should that not end it within 30 s, its whole process group is killed.
     """
+    base = getattr(_BASE, "env", os.environ)
     full_env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+        **base,
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), base.get("PYTHONPATH", "")]),
         **(env or {}),
     }
     proc = subprocess.Popen(

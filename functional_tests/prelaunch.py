@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from functional_tests import launch as _launch
+
 ENABLE_ENV = "TE_PAGED_PRELAUNCH"
 LOG_ENV = "TE_PAGED_PRELAUNCH_LOG"
 #: The default number of background threads: one per four cores (a launch runs four ranks).
@@ -67,6 +69,9 @@ class Lane:
         self._queue: list[str] = []
         self._stopped = threading.Event()
         self._threads: list[threading.Thread] = []
+        # The environment the session started with: each launch's commands get it, whatever a
+        # test running beside the launch has set in os.environ meanwhile.
+        self._env = dict(os.environ)
 
     def plan(self, launches: Iterable[Launch]) -> None:
         """Queue ``launches`` (merged by group, in the order given) and start the threads."""
@@ -119,7 +124,8 @@ class Lane:
     def _execute(self, group: str, future: Future) -> None:
         start = time.time()
         try:
-            result = self._runs[group](tuple(self._parts[group]), self._mktemp(group))
+            with _launch.environment(self._env):
+                result = self._runs[group](tuple(self._parts[group]), self._mktemp(group))
         except BaseException as e:  # pytest.fail raises an OutcomeException (a BaseException)
             _log(group, start)
             future.set_exception(e)

@@ -98,6 +98,27 @@ def test_end_all_ends_a_launch_still_running_on_another_thread() -> None:
     assert time.monotonic() - started < 30 and sys.executable in results[0].args
 
 
+def test_a_launch_gets_the_sessions_environment_not_a_tests_setenv(tmp_path, monkeypatch) -> None:
+    # CI caught this: an in-process ``ab`` test set RANK/WORLD_SIZE=1 while the lane started
+    # ``te-paged ab --engine torchtitan``, which then ran as one torchrun rank of one.
+    monkeypatch.delenv("TE_PAGED_PROBE", raising=False)
+    lane = _lane(tmp_path)  # the session's environment: no TE_PAGED_PROBE
+    go = threading.Event()
+    probe = ["-c", "import os; print(os.environ.get('TE_PAGED_PROBE'))"]
+
+    def run(parts, out):
+        go.wait(timeout=30)
+        return {"p": launch.run_python(probe, timeout_s=60).stdout.strip()}
+
+    planned = Launch("g", "p", run)
+    lane.plan([planned])
+    monkeypatch.setenv("TE_PAGED_PROBE", "set by a test")  # while the launch waits to start
+    go.set()
+    assert lane.result(planned) == "None"
+    # Outside a launch, a command gets the live environment.
+    assert launch.run_python(probe, timeout_s=60).stdout.strip() == "set by a test"
+
+
 @pytest.mark.parametrize("setting, threads", [("1", 1), ("3", 3), (None, prelaunch.THREADS)])
 def test_the_setting_is_the_number_of_threads(tmp_path, monkeypatch, setting, threads) -> None:
     if setting is None:
