@@ -15,8 +15,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     global _LANE
     if session.config.option.collectonly:
         return
-    factory = session.config._tmp_path_factory  # the session's tmp_path_factory
-    _LANE = prelaunch.Lane(lambda name: factory.mktemp(name.replace(" ", "_")))
+    _LANE = prelaunch.Lane(prelaunch.folders(session.config._tmp_path_factory))
     _LANE.plan(launch for item in session.items for launch in _needs(item))
 
 

@@ -25,6 +25,7 @@ tests waited for.
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -141,6 +142,18 @@ class Lane:
             future, owner = self._claim(group, self._parts[group][0], self._runs[group])
             if owner:
                 self._execute(group, future)
+
+
+def folders(factory: Any) -> Callable[[str], Path]:
+    """A new folder per call, named after the launch, under the basetemp of ``factory`` (the
+    session's ``tmp_path_factory``): what a :class:`Lane` runs its launches in.
+
+    The basetemp is asked for here, on the thread that plans the lane: the factory makes it on
+    first use, and a lane thread and a test asking at once each made one (the launch's
+    ``mktemp`` then failed: "... is not a normalized and relative path"). The folders come
+    from ``tempfile.mkdtemp``, which is safe on any thread; ``mktemp`` is not meant to be."""
+    base = factory.getbasetemp()  # here, on the thread that plans the lane
+    return lambda name: Path(tempfile.mkdtemp(prefix=name.replace(" ", "_") + "-", dir=base))
 
 
 def _thread_count() -> int:

@@ -119,6 +119,35 @@ def test_a_launch_gets_the_sessions_environment_not_a_tests_setenv(tmp_path, mon
     assert launch.run_python(probe, timeout_s=60).stdout.strip() == "set by a test"
 
 
+def test_the_lanes_first_folder_and_a_tests_first_tmp_path_share_one_basetemp(
+    tmp_path, monkeypatch
+) -> None:
+    # CI lost the Megatron launch to this: a session's tmp_path_factory makes its basetemp on
+    # first use, and the lane's first launch and the first test asked for it at once. Each
+    # made one (pytest-173 and pytest-174), and the launch's mktemp then failed with "... is
+    # not a normalized and relative path".
+    monkeypatch.setenv("PYTEST_DEBUG_TEMPROOT", str(tmp_path))
+    factory = pytest.TempPathFactory(None, 3, "all", lambda *a: None, _ispytest=True)
+    make = prelaunch.folders(factory)  # when collection ends
+    start, errors, made = threading.Barrier(2), [], []
+
+    def first(call) -> None:
+        start.wait(timeout=30)
+        try:
+            made.append(call())
+        except Exception as e:  # every failure is the finding
+            errors.append(repr(e))
+
+    lane = threading.Thread(target=first, args=(lambda: make("megatron 0.19.2"),))
+    lane.start()
+    first(lambda: factory.mktemp("planted"))
+    lane.join()
+    assert errors == []
+    (root,) = tmp_path.iterdir()  # pytest-of-<user>
+    assert [p.name for p in root.glob("pytest-[0-9]*")] == [factory.getbasetemp().name]
+    assert {p.parent for p in made} == {factory.getbasetemp()}
+
+
 @pytest.mark.parametrize("setting, threads", [("1", 1), ("3", 3), (None, prelaunch.THREADS)])
 def test_the_setting_is_the_number_of_threads(tmp_path, monkeypatch, setting, threads) -> None:
     if setting is None:
