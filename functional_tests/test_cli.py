@@ -45,6 +45,14 @@ def _free_port() -> int:  # for an in-process run alone on its port (world size 
         return s.getsockname()[1]
 
 
+def measured_steps(data: dict) -> None:
+    """Every rank measured the memory of the steps after the first, ON and OFF, and not the
+    first (ON's capture step: never the measured step; ``te_paged.tools.ab.measures``)."""
+    for rank in data["ranks"]:
+        for run in (rank["on"], rank["off"]):
+            assert [s["peak_bytes"] > 0 for s in run] == [False] + [True] * (len(run) - 1), run
+
+
 def te_paged(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
     return run_python(["-m", "te_paged", *args], timeout_s=timeout)
 
@@ -137,6 +145,7 @@ def test_ab_spawns_ranks_and_writes_json_plot_and_profile(tmp_path) -> None:
     assert data["world_size"] == 2 and len(data["ranks"]) == 2
     assert all(all(r["grads_equal"]) for r in data["ranks"])
     assert data["memory"]["pool_bytes"] > 0 and data["memory"]["S_bytes"] > 0
+    measured_steps(data)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     profile = RoutingProfile.load(prof)
     assert profile.ep_size == 2 and len(profile.tokens) == 3 and len(profile.tokens[0]) == 2
@@ -428,6 +437,7 @@ def test_ab_engine_megatron_default_model_is_bitwise_and_saves_memory(launches) 
     for rank in data["ranks"]:
         assert all(rank["grads_equal"]), rank["grads_equal"]  # every parameter, every step
         assert [s["loss"] for s in rank["on"]] == [s["loss"] for s in rank["off"]]
+    measured_steps(data)
     memory = data["memory"]
     assert memory["S_bytes"] > 0 and memory["pool_bytes"] > 0
     assert memory["measured_over_reload_adjusted"] >= 0.95, memory
@@ -449,6 +459,7 @@ def test_ab_engine_torchtitan_default_model_is_bitwise_and_saves_memory(launches
         assert all(rank["grads_equal"]), rank["grads_equal"]  # every shard, every step
         assert [s["loss"] for s in rank["on"]] == [s["loss"] for s in rank["off"]]
         assert rank["stashes"] > 0 and rank["stashes"] == rank["pops"]
+    measured_steps(data)
     memory = data["memory"]
     assert memory["S_bytes"] > 0 and memory["pool_bytes"] > 0
     assert memory["measured_over_reload_adjusted"] >= 0.95, memory

@@ -2,7 +2,8 @@
 
 Per step it records loss and gradient norm of both runs (and whether they, and every single
 gradient, are bitwise equal), the runner's record (attempt, enabled, flags); per run the peak
-memory of each step, measured by torch's trackers (the ON figure includes the pool, allocated
+memory of each step that can be the measured step (not the first, nor a capture step:
+:func:`measures`), measured by torch's trackers (the ON figure includes the pool, allocated
 at the step boundary), and the capacity model's prediction ``(cf − bf) × S`` with ``S`` the
 balanced-case bytes of the paged tensors. The saving is measured on the *measured step*: the
 last step after the capture step whose kept attempt ran with the stash (step 0 captures and has
@@ -13,6 +14,7 @@ each rank; :func:`format_table` renders it; :mod:`te_paged.tools.run_record` wri
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 
@@ -180,6 +182,24 @@ def measured_step(steps: list[StepResult]) -> int | None:
     return kept[-1] if kept else None
 
 
+#: ``memory_method`` of a run none of whose steps was measured.
+NOT_MEASURED = "not measured"
+
+
+def measures(step: int, capture: bool) -> bool:
+    """Whether ``ab`` measures the memory of ``step`` (of the ON or the OFF run): neither the
+    first step (ON's is always a capture step: a manager starts in capture mode) nor any other
+    capture step can be the measured step (:func:`measured_step`), so neither is measured. On
+    CPU that halves the run: torch's ``MemTracker`` costs about as much as the step it watches
+    (its dispatch mode sees every op). A step not measured reports ``peak_bytes`` 0."""
+    return step > 0 and not capture
+
+
+def step_meter(device: torch.device, step: int, capture: bool) -> PeakMemoryMeter | None:
+    """A :class:`PeakMemoryMeter` for ``step`` when :func:`measures` it, else ``None``."""
+    return PeakMemoryMeter(device) if measures(step, capture) else None
+
+
 def step_label(step: StepResult) -> str:
     """How the ON run's kept attempt of a step ran: ``capture``, ``paged``, ``fallback`` (rerun
     without the stash after an overflow or over-budget attempt 1) or ``unpaged``."""
@@ -263,7 +283,7 @@ def _run(
         measure_fallback_memory=False,
         record_routing=record_routing,  # a host read and a collective per step: OFF run only
     )
-    steps, grads = [], []
+    steps, grads, method = [], [], NOT_MEASURED
     for step in range(cfg.steps):
         x, target = make_batch(cfg, step, rank, device)
         model.zero_grad(set_to_none=False)  # gradients stay allocated: not part of the peak
@@ -279,16 +299,19 @@ def _run(
             model.manager.reset()
         managers = [] if model.manager is None else [model.manager]
         capture = capturing(managers)
-        with PeakMemoryMeter(device) as meter:
-            runner.before_rerun = meter.new_iteration
+        meter = step_meter(device, step, capture)
+        with meter if meter is not None else contextlib.nullcontext():
+            runner.before_rerun = None if meter is None else meter.new_iteration
             loss, record = runner.step(step_fn)
-        mem = meter.report
+        if meter is not None:
+            method = meter.report.method
         grads.append(_grad_vector(model))
         norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads[-1]]))
-        steps.append(step_result(loss, norm, record, mem.peak_bytes, capture, managers))
+        peak = 0 if meter is None else meter.report.peak_bytes
+        steps.append(step_result(loss, norm, record, peak, capture, managers))
         if progress is not None:
             progress(f"{'ON ' if paged else 'OFF'} step {step + 1}/{cfg.steps}")
-    return steps, grads, model, runner, mem.method
+    return steps, grads, model, runner, method
 
 
 def run_ab(

@@ -7,8 +7,9 @@ with te_paged's static-budget dispatcher and te_paged's experts), DeepSeek-V3-st
 grad buffers (``main_grad``), Megatron's optimizer (Adam, gradient clipping) and
 ``forward_backward_func`` driven by :class:`MegatronPagedStashRunner`. Per rank it runs the
 same steps OFF, then ON, from the same seed and data, and records per step the loss, the grad
-norm, the runner's record, the aux-loss tracker, the peak activation memory and every
-parameter after the optimizer step (compared bitwise ON vs OFF).
+norm, the runner's record, the aux-loss tracker, the peak activation memory (of the steps
+that can be the measured step: :func:`te_paged.tools.ab.measures`) and every parameter after
+the optimizer step (compared bitwise ON vs OFF).
 
 ``S`` for this model, as for the default engine: the balanced-case bytes of the tensors the
 stash pages at the capture step's peak of concurrently live rows — per MoE layer FC1's input
@@ -38,12 +39,13 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from te_paged.runtime.memory import PeakMemoryMeter
 from te_paged.tools.ab import (
+    NOT_MEASURED,
     RankResult,
     StepResult,
     capturing,
     rank_result,
+    step_meter,
     step_result,
 )
 from te_paged.tools.model import ModelConfig
@@ -116,7 +118,7 @@ class TrainRun:
     managers: list
     pool_bytes: list[int] = dataclasses.field(default_factory=list)  # per step
     s_bytes: list[int] = dataclasses.field(default_factory=list)  # per step (see module doc)
-    memory_method: str = "not measured"
+    memory_method: str = NOT_MEASURED
 
 
 def _transformer_config(cfg: MegatronModelConfig, ep: int, paged_stash_fields: dict[str, object]):
@@ -347,7 +349,7 @@ def train(
         for manager in runner.managers:
             manager.reset()  # allocates the pool after the capture step: outside the meter
         capture = capturing(runner.managers)
-        meter = PeakMemoryMeter(device) if cfg.measure_memory else None
+        meter = step_meter(device, step, capture) if cfg.measure_memory else None
         with meter if meter is not None else contextlib.nullcontext():
             runner.before_rerun = None if meter is None else meter.new_iteration
             losses, record = runner(
@@ -373,7 +375,8 @@ def train(
         loss = torch.stack([x["lm loss"] for x in losses]).mean() if losses else torch.nan
         peak = meter.report.peak_bytes if meter else 0
         run.steps.append(step_result(loss, grad_norm, record, peak, capture, runner.managers))
-        run.memory_method = meter.report.method if meter else "not measured"
+        if meter is not None:
+            run.memory_method = meter.report.method
         run.pool_bytes.append(run.steps[-1].pool_bytes)
         run.s_bytes.append(run.steps[-1].s_bytes)
         if progress is not None:

@@ -11,7 +11,9 @@ load-balancing hook — whose config's ``te_paged`` section turns the MoE layers
 ``moe_paged_stash=False``. Per rank it runs the same steps OFF, then ON, from the same seed and
 data (a generator seeded by step and data-parallel rank), driving ``trainer.train_step`` itself,
 and records per step the loss, the local gradient norm, the runner's record, the peak
-activation memory and every parameter shard after the optimizer step (compared bitwise).
+activation memory (of the steps that can be the measured step:
+:func:`te_paged.tools.ab.measures`) and every parameter shard after the optimizer step
+(compared bitwise).
 
 ``S`` as for the other engines: the balanced-case bytes of the tensors the stash pages at the
 capture step's peak — per MoE layer the bf16 expert input ``[T·K, D]`` and four ``[T·K, F]``
@@ -34,8 +36,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from te_paged.runtime.memory import PeakMemoryMeter
-from te_paged.tools.ab import RankResult, StepResult, capturing, rank_result, step_result
+from te_paged.tools.ab import (
+    NOT_MEASURED,
+    RankResult,
+    StepResult,
+    capturing,
+    rank_result,
+    step_meter,
+    step_result,
+)
 from te_paged.tools.model import ModelConfig
 
 __all__ = [
@@ -80,7 +89,7 @@ class TorchtitanRun:
     params: list[list[torch.Tensor]]  # per step, this rank's shards after the optimizer step
     grads: list[list[torch.Tensor]]  # per step, this rank's gradient shards (after clipping)
     managers: list
-    memory_method: str = "not measured"
+    memory_method: str = NOT_MEASURED
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -292,7 +301,7 @@ def train(
                 for manager in runner.managers:
                     manager.reset()  # allocates the pool after the capture step: unmeasured
                 capture = capturing(runner.managers)
-                meter = PeakMemoryMeter(device) if cfg.measure_memory else None
+                meter = step_meter(device, step, capture) if cfg.measure_memory else None
                 with meter if meter is not None else contextlib.nullcontext():
                     runner.before_rerun = None if meter is None else meter.new_iteration
                     trainer.train_step(data)
@@ -305,7 +314,8 @@ def train(
                 loss = torch.stack([x.detach().float() for x in trainer.last_losses]).sum()
                 peak = meter.report.peak_bytes if meter else 0
                 run.steps.append(step_result(loss, norm, record, peak, capture, runner.managers))
-                run.memory_method = meter.report.method if meter else "not measured"
+                if meter is not None:
+                    run.memory_method = meter.report.method
                 if progress is not None:
                     progress(f"torchtitan {'ON ' if paged else 'OFF'} step {step + 1}/{cfg.steps}")
         finally:
