@@ -7,9 +7,9 @@ starts every :class:`Launch` the selected tests read (a test's ``@pytest.mark.la
 its module's ``LAUNCHES`` for a module fixture), in the order the tests come, on background
 threads (one per four cores, at least one: a launch runs four ranks); a module's fixture then
 waits for its launch's result (:meth:`Lane.result`). On two cores one thread is the fastest:
-measured with a cold compile cache, pytest took 534 s with one and 644 s with two, whose eight
-ranks starved the tests' own process. A launch no collected test declared runs when its fixture
-asks for it, on the test's own thread.
+two threads' eight ranks starved the tests' own process (benchmarks/results/suite-time-*.md).
+A launch no collected test declared runs when its fixture asks for it, on the test's own
+thread.
 
 Launches that share a :attr:`Launch.group` are one launch: ``run`` gets every part the collected
 tests need and returns each part's result. The Megatron workers on one release share one
