@@ -14,7 +14,6 @@ each rank; :func:`format_table` renders it; :mod:`te_paged.tools.run_record` wri
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Callable
 
@@ -195,9 +194,31 @@ def measures(step: int, capture: bool) -> bool:
     return step > 0 and not capture
 
 
-def step_meter(device: torch.device, step: int, capture: bool) -> PeakMemoryMeter | None:
-    """A :class:`PeakMemoryMeter` for ``step`` when :func:`measures` it, else ``None``."""
-    return PeakMemoryMeter(device) if measures(step, capture) else None
+class StepMeter:
+    """A step's memory as ``ab`` takes it: a :class:`PeakMemoryMeter` around the step when
+    ``measure`` and :func:`measures` allow, else nothing (``peak_bytes`` 0, ``method`` None,
+    ``new_iteration`` None: the runner's ``before_rerun`` when nothing is measured)."""
+
+    def __init__(self, device: torch.device, step: int, capture: bool, measure: bool = True):
+        self._meter = PeakMemoryMeter(device) if measure and measures(step, capture) else None
+        self.new_iteration = None if self._meter is None else self._meter.new_iteration
+
+    def __enter__(self) -> StepMeter:
+        if self._meter is not None:
+            self._meter.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._meter is not None:
+            self._meter.__exit__(*exc)
+
+    @property
+    def peak_bytes(self) -> int:
+        return 0 if self._meter is None else self._meter.report.peak_bytes
+
+    @property
+    def method(self) -> str | None:
+        return None if self._meter is None else self._meter.report.method
 
 
 def step_label(step: StepResult) -> str:
@@ -299,16 +320,13 @@ def _run(
             model.manager.reset()
         managers = [] if model.manager is None else [model.manager]
         capture = capturing(managers)
-        meter = step_meter(device, step, capture)
-        with meter if meter is not None else contextlib.nullcontext():
-            runner.before_rerun = None if meter is None else meter.new_iteration
+        with StepMeter(device, step, capture) as meter:
+            runner.before_rerun = meter.new_iteration
             loss, record = runner.step(step_fn)
-        if meter is not None:
-            method = meter.report.method
+        method = meter.method or method
         grads.append(_grad_vector(model))
         norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads[-1]]))
-        peak = 0 if meter is None else meter.report.peak_bytes
-        steps.append(step_result(loss, norm, record, peak, capture, managers))
+        steps.append(step_result(loss, norm, record, meter.peak_bytes, capture, managers))
         if progress is not None:
             progress(f"{'ON ' if paged else 'OFF'} step {step + 1}/{cfg.steps}")
     return steps, grads, model, runner, method

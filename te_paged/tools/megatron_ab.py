@@ -42,10 +42,10 @@ import torch.distributed as dist
 from te_paged.tools.ab import (
     NOT_MEASURED,
     RankResult,
+    StepMeter,
     StepResult,
     capturing,
     rank_result,
-    step_meter,
     step_result,
 )
 from te_paged.tools.model import ModelConfig
@@ -349,9 +349,8 @@ def train(
         for manager in runner.managers:
             manager.reset()  # allocates the pool after the capture step: outside the meter
         capture = capturing(runner.managers)
-        meter = step_meter(device, step, capture) if cfg.measure_memory else None
-        with meter if meter is not None else contextlib.nullcontext():
-            runner.before_rerun = None if meter is None else meter.new_iteration
+        with StepMeter(device, step, capture, cfg.measure_memory) as meter:
+            runner.before_rerun = meter.new_iteration
             losses, record = runner(
                 forward_step_func=functools.partial(
                     forward_step, before_forward=runner.before_rerun
@@ -373,10 +372,10 @@ def train(
         )
         # Only the last pipeline stage computes the loss; the others report NaN (null in JSON).
         loss = torch.stack([x["lm loss"] for x in losses]).mean() if losses else torch.nan
-        peak = meter.report.peak_bytes if meter else 0
-        run.steps.append(step_result(loss, grad_norm, record, peak, capture, runner.managers))
-        if meter is not None:
-            run.memory_method = meter.report.method
+        run.steps.append(
+            step_result(loss, grad_norm, record, meter.peak_bytes, capture, runner.managers)
+        )
+        run.memory_method = meter.method or run.memory_method
         run.pool_bytes.append(run.steps[-1].pool_bytes)
         run.s_bytes.append(run.steps[-1].s_bytes)
         if progress is not None:

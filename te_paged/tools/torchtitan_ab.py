@@ -24,7 +24,6 @@ a forced over-budget rerun. On CPU the caller installs
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import os
@@ -39,10 +38,10 @@ from torch.distributed.tensor import DTensor
 from te_paged.tools.ab import (
     NOT_MEASURED,
     RankResult,
+    StepMeter,
     StepResult,
     capturing,
     rank_result,
-    step_meter,
     step_result,
 )
 from te_paged.tools.model import ModelConfig
@@ -301,9 +300,8 @@ def train(
                 for manager in runner.managers:
                     manager.reset()  # allocates the pool after the capture step: unmeasured
                 capture = capturing(runner.managers)
-                meter = step_meter(device, step, capture) if cfg.measure_memory else None
-                with meter if meter is not None else contextlib.nullcontext():
-                    runner.before_rerun = None if meter is None else meter.new_iteration
+                with StepMeter(device, step, capture, cfg.measure_memory) as meter:
+                    runner.before_rerun = meter.new_iteration
                     trainer.train_step(data)
                 record = trainer.last_record
                 grads = [_local(p.grad).detach().cpu().clone()
@@ -312,10 +310,9 @@ def train(
                 run.grads.append(grads)
                 run.params.append([_local(p).detach().cpu().clone() for p in params])
                 loss = torch.stack([x.detach().float() for x in trainer.last_losses]).sum()
-                peak = meter.report.peak_bytes if meter else 0
+                peak = meter.peak_bytes
                 run.steps.append(step_result(loss, norm, record, peak, capture, runner.managers))
-                if meter is not None:
-                    run.memory_method = meter.report.method
+                run.memory_method = meter.method or run.memory_method
                 if progress is not None:
                     progress(f"torchtitan {'ON ' if paged else 'OFF'} step {step + 1}/{cfg.steps}")
         finally:
