@@ -11,6 +11,13 @@ from functional_tests import launch, prelaunch
 _LANE: prelaunch.Lane | None = None
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that ask for ``quiet_machine`` run last, in their order. The fixture waits for
+    every queued launch: anywhere earlier, the tests after it would run with the lane idle and
+    one core spare (measured: the last 57 s of the suite)."""
+    items.sort(key=lambda item: "quiet_machine" in getattr(item, "fixturenames", ()))
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     global _LANE
     if session.config.option.collectonly:

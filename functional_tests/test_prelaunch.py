@@ -197,3 +197,8 @@ def test_the_log_has_a_line_per_launch_with_its_thread_and_times(tmp_path, monke
     for _group, thread, start, end in lines:
         assert float(start) <= float(end) <= time.time() + 0.1  # written to 0.1 s
         assert thread.startswith("prelaunch-") or thread == "MainThread"
+
+
+def test_tests_that_need_a_quiet_machine_run_after_every_other(request) -> None:
+    quiet = [("quiet_machine" in item.fixturenames, item.nodeid) for item in request.session.items]
+    assert [q for q, _ in quiet] == sorted(q for q, _ in quiet), [n for q, n in quiet if q]

@@ -7,8 +7,11 @@
 # megatron-core 0.19.2 declares Python >= 3.12. Its Python files run on 3.11 (the datasets
 # helper, its one compiled file, is not used by te_paged), so for the tests its wheel is
 # installed for 3.12 into a folder, without pip's interpreter check. Users on Python 3.12
-# install it normally: `pip install --no-deps megatron-core==0.19.2`.
-"$PY" -m pip install -q --disable-pip-version-check numpy packaging psutil
+# install it with the line docs/megatron.md gives (`pip install --no-deps megatron-core==...`).
+# Their dependencies without torch: numpy, packaging, psutil, and triton, which 0.19.2 imports
+# without declaring it (a CUDA torch brings it, a CPU torch does not; te_paged's
+# integrations/megatron/releases.py table).
+"$PY" -m pip install -q --disable-pip-version-check numpy packaging psutil triton
 for spec in 0.19.2:3.12 0.16.1:3.11; do  # release:the Python its wheel is taken for
   release=${spec%%:*}
   target="$VENV/megatron/$release"

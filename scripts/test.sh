@@ -2,17 +2,24 @@
 # The whole test suite: lint, unit, distributed and functional tests (CPU).
 # Extra arguments go to pytest.
 source "$(dirname "$0")/env.sh"
-# Inductor's first compile into an empty cache (CI starts with none) first builds its CPU
-# probes, a few small C++ programs: measured 16 s before the first kernel, 5 s once they are
-# built. Build them now, on the core that pip's installs leave idle.
-"$PY" -c 'import torch; torch.compile(torch.sigmoid)(torch.ones(8))' >/dev/null 2>&1 &
+# Megatron-core 0.19.2 and 0.16.1 for the integration tests, pinned; --no-deps keeps them from
+# touching torch. Installed first: the compile warm-up below runs a Megatron test worker.
+source scripts/megatron.sh  # env.sh cd-ed to the repository root
+# Inductor compiles into an empty cache (CI always starts with one). The Megatron experts
+# test compiles Megatron's and te_paged's activations, about 30 graphs, after inductor's CPU
+# probes and precompiled header: 72 s cold in one process, 19 s warm, and its launch is on the
+# suite's longest path. Run its worker now, on the core that pip's installs leave idle; the
+# test then finds every graph in the cache. Its package imports pytest.
+"$PY" -m pip install -q --disable-pip-version-check "pytest>=8"
+warm_dir=$(mktemp -d)
+OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore "$PY" -m torch.distributed.run --standalone \
+  --nproc_per_node=1 -m functional_tests.megatron.experts_worker \
+  --out "$warm_dir/results.json" --timeout-s 300 >"$warm_dir/log" 2>&1 &
 warm_compile=$!
 "$PY" -m pip install -q --disable-pip-version-check -e ".[test]"
-# Megatron-core 0.19.2 and 0.16.1 for the integration tests, pinned; --no-deps keeps them from
-# touching torch.
-source scripts/megatron.sh  # env.sh cd-ed to the repository root
 source scripts/torchtitan.sh  # torchtitan 0.3.0, for its integration tests
-wait "$warm_compile" || true  # a failed warm-up costs only its time
+wait "$warm_compile" || true  # a failed warm-up costs only its time: the test compiles
+rm -rf "$warm_dir"
 "$VENV/bin/ruff" check .
 "$VENV/bin/ruff" format --check .
 # The tests run launched ranks beside the test process on few cores. With more threads than

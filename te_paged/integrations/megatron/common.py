@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import torch
 
 from te_paged.config import MoEConfig
+from te_paged.integrations.megatron.releases import SUPPORTED, install_line
 from te_paged.moe import as_moe_config
 
 __all__ = [
@@ -25,8 +26,8 @@ __all__ = [
 ]
 
 INSTALL_HINT = (
-    "pip install --no-deps megatron-core==0.19.2 numpy packaging psutil  (keeps your torch as it "
-    "is; te_paged supports megatron-core 0.16.1 and 0.19.2)"
+    f"{install_line()}  (keeps your torch as it is; te_paged supports megatron-core "
+    f"{' and '.join(SUPPORTED)})"
 )
 
 

@@ -22,6 +22,11 @@ CPU shims (:mod:`.cpu_shims`)              the 0.16.1 set          the same, plu
                                                                    global stash manager's
                                                                    CUDA stream, DDP's
                                                                    ``current_stream()``
+Imports without declaring it               nothing                 ``triton`` (its paged
+                                                                   stash kernels, imported
+                                                                   by the schedules): a
+                                                                   CUDA torch brings it, a
+                                                                   CPU torch does not
 =========================================  ======================  ======================
 
 Importing this module does not import Megatron.
@@ -60,6 +65,10 @@ class MegatronRelease:
     #: Python the release's wheel declares (``Requires-Python``); on an older interpreter its
     #: Python files still run (tests only, see docs/megatron.md).
     requires_python: str
+    #: Packages the release imports whenever te_paged uses it but does not declare: the
+    #: install line names them, since ``--no-deps`` (which keeps pip away from torch) would
+    #: leave them out.
+    undeclared_imports: tuple[str, ...] = ()
 
 
 _CPU_SHIMS_0_16 = (
@@ -90,6 +99,7 @@ RELEASES: dict[str, MegatronRelease] = {
             builtin_paged_stash=True,
             cpu_shims=(*_CPU_SHIMS_0_16, "builtin_stash_manager", "current_stream"),
             requires_python=">=3.12",
+            undeclared_imports=("triton",),
         ),
     )
 }
@@ -98,8 +108,10 @@ SUPPORTED: tuple[str, ...] = tuple(RELEASES)
 
 
 def install_line(version: str = SUPPORTED[-1]) -> str:
-    """The pip line that installs ``version`` next to the user's torch."""
-    return f"pip install --no-deps megatron-core=={version} numpy packaging psutil"
+    """The pip line that installs ``version`` next to the user's torch: the release without
+    its declared dependencies (one of them is torch), then those it needs."""
+    needs = ("numpy", "packaging", "psutil", *RELEASES[version].undeclared_imports)
+    return f"pip install --no-deps megatron-core=={version} {' '.join(needs)}"
 
 
 def installed_version() -> str:

@@ -7,7 +7,11 @@ default: see scripts/megatron.sh); 0.16.1 is exercised by the functional tests.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,6 +81,40 @@ def test_another_release_is_refused_naming_the_supported_ones(monkeypatch) -> No
     with pytest.raises(RuntimeError, match=r"0\.16\.1 and 0\.19\.2"):
         cpu_shims.install()
     assert not cpu_shims.installed()
+
+
+#: Megatron modules te_paged imports (spec builders, runners, the CLI's engine), whose import
+#: chains take in most of megatron-core.
+MEGATRON_MODULES_USED = (
+    "megatron.core.models.gpt.gpt_model",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.transformer.moe.moe_layer",
+)
+
+
+@pytest.mark.parametrize("version", releases.SUPPORTED)
+def test_the_install_line_names_what_the_release_imports_without_declaring_it(version) -> None:
+    """``--no-deps`` keeps pip away from torch, and so from every dependency the release does
+    not declare: on a CPU torch, which brings no triton, megatron-core 0.19.2 does not import
+    without the ``triton`` its install line adds. Each release imports, in a process of its
+    own, with triton hidden; it must fail exactly when its line names triton."""
+    root = os.environ.get("TE_PAGED_TEST_MEGATRON_ROOT") or str(Path(sys.prefix) / "megatron")
+    folder = Path(root) / version  # where scripts/megatron.sh installs each release
+    assert (folder / "megatron" / "core" / "package_info.py").is_file(), folder
+    code = "\n".join(["import sys", "sys.modules['triton'] = None",  # import triton fails
+                      *(f"import {name}" for name in MEGATRON_MODULES_USED)])  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": str(folder), "PYTHONWARNINGS": "ignore"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    needs_triton = proc.returncode != 0
+    if needs_triton:
+        assert "triton" in proc.stderr.splitlines()[-1], proc.stderr[-2000:]
+    assert needs_triton == ("triton" in releases.install_line(version).split()), version
+    assert needs_triton == (version == "0.19.2")  # what scripts/megatron.sh installs for
 
 
 def test_every_shim_a_release_names_exists_and_every_shim_is_used() -> None:
