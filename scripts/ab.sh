@@ -11,4 +11,5 @@ esac
 case " $* " in  # torchtitan 0.3.0, next to the pinned torch
   *" --engine torchtitan "* | *" --engine=torchtitan "*) source scripts/torchtitan.sh ;;
 esac
+[ -z "$torch_bytecode" ] || wait "$torch_bytecode" || true  # env.sh
 exec "$VENV/bin/te-paged" ab "$@"

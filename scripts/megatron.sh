@@ -21,7 +21,6 @@ for spec in 0.19.2:3.12 0.16.1:3.11; do  # release:the Python its wheel is taken
     --python-version "${spec##*:}" --ignore-requires-python --target "$target" \
     "megatron-core==$release"
 done
-SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 # A megatron-core in site-packages itself (an older set-up installed 0.16.1 there) would shadow
 # the .pth entry, which comes after site-packages on sys.path. (Not `pip show`: it also finds
 # the releases' own folders through the .pth file, and pip would uninstall from there.)

@@ -8,18 +8,23 @@ source scripts/megatron.sh  # env.sh cd-ed to the repository root
 # Inductor compiles into an empty cache (CI always starts with one). The Megatron experts
 # test compiles Megatron's and te_paged's activations, about 30 graphs, after inductor's CPU
 # probes and precompiled header: 72 s cold in one process, 19 s warm, and its launch is on the
-# suite's longest path. Run its worker now, on the core that pip's installs leave idle; the
-# test then finds every graph in the cache. Its package imports pytest.
+# suite's longest path. Run its worker now, on the core that pip's installs leave idle, and
+# let it finish beside the first tests (the lane reaches that launch minutes later); the test
+# then finds every graph in the cache. Its package imports pytest.
+# Skipped where inductor's cache (torch's default folder) has compiled anything before.
 "$PY" -m pip install -q --disable-pip-version-check "pytest>=8"
-warm_dir=$(mktemp -d)
-OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore "$PY" -m torch.distributed.run --standalone \
-  --nproc_per_node=1 -m functional_tests.megatron.experts_worker \
-  --out "$warm_dir/results.json" --timeout-s 300 >"$warm_dir/log" 2>&1 &
-warm_compile=$!
+[ -z "$torch_bytecode" ] || wait "$torch_bytecode" || true  # env.sh
+warm_compile= warm_dir=
+inductor_cache=${TORCHINDUCTOR_CACHE_DIR:-${TMPDIR:-/tmp}/torchinductor_$(id -un)}
+if [ ! -d "$inductor_cache/fxgraph" ]; then
+  warm_dir=$(mktemp -d)
+  OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore "$PY" -m torch.distributed.run --standalone \
+    --nproc_per_node=1 -m functional_tests.megatron.experts_worker \
+    --out "$warm_dir/results.json" --timeout-s 300 >"$warm_dir/log" 2>&1 &
+  warm_compile=$!
+fi
 "$PY" -m pip install -q --disable-pip-version-check -e ".[test]"
 source scripts/torchtitan.sh  # torchtitan 0.3.0, for its integration tests
-wait "$warm_compile" || true  # a failed warm-up costs only its time: the test compiles
-rm -rf "$warm_dir"
 "$VENV/bin/ruff" check .
 "$VENV/bin/ruff" format --check .
 # The tests run launched ranks beside the test process on few cores. With more threads than
@@ -27,4 +32,11 @@ rm -rf "$warm_dir"
 # CPU time (pytest 590 s with torch's default, 427 s with one thread a process). One thread a
 # process, unless the caller sets it.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec "$PY" -m pytest -q "$@"
+status=0
+"$PY" -m pytest -q "$@" || status=$?
+if [ -n "$warm_compile" ]; then  # a failed warm-up costs only its time (the test compiles)
+  kill "$warm_compile" 2>/dev/null || true  # still running: ended
+  wait "$warm_compile" 2>/dev/null || true
+  rm -rf "$warm_dir"
+fi
+exit "$status"
