@@ -8,9 +8,9 @@ source scripts/megatron.sh  # env.sh cd-ed to the repository root
 # Inductor compiles into an empty cache (CI always starts with one). The Megatron experts
 # test compiles Megatron's and te_paged's activations, about 30 graphs, after inductor's CPU
 # probes and precompiled header: 72 s cold in one process, 19 s warm, and its launch is on the
-# suite's longest path. Run its worker now, on the core that pip's installs leave idle, and
-# let it finish beside the first tests (the lane reaches that launch minutes later); the test
-# then finds every graph in the cache. Its package imports pytest.
+# suite's longest path. Run its worker now, on the core that pip's installs leave idle; the
+# test then finds every graph in the cache. The tests wait for it: left to finish beside them
+# it slowed the first launch's four ranks by 20 to 30 s (two runs). Its package imports pytest.
 # Skipped where inductor's cache (torch's default folder) has compiled anything before.
 "$PY" -m pip install -q --disable-pip-version-check "pytest>=8"
 [ -z "$torch_bytecode" ] || wait "$torch_bytecode" || true  # env.sh
@@ -25,6 +25,10 @@ if [ ! -d "$inductor_cache/fxgraph" ]; then
 fi
 "$PY" -m pip install -q --disable-pip-version-check -e ".[test]"
 source scripts/torchtitan.sh  # torchtitan 0.3.0, for its integration tests
+if [ -n "$warm_compile" ]; then  # a failed warm-up costs only its time (the test compiles)
+  wait "$warm_compile" || true
+  rm -rf "$warm_dir"
+fi
 "$VENV/bin/ruff" check .
 "$VENV/bin/ruff" format --check .
 # The tests run launched ranks beside the test process on few cores. With more threads than
@@ -32,11 +36,4 @@ source scripts/torchtitan.sh  # torchtitan 0.3.0, for its integration tests
 # CPU time (pytest 590 s with torch's default, 427 s with one thread a process). One thread a
 # process, unless the caller sets it.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-status=0
-"$PY" -m pytest -q "$@" || status=$?
-if [ -n "$warm_compile" ]; then  # a failed warm-up costs only its time (the test compiles)
-  kill "$warm_compile" 2>/dev/null || true  # still running: ended
-  wait "$warm_compile" 2>/dev/null || true
-  rm -rf "$warm_dir"
-fi
-exit "$status"
+exec "$PY" -m pytest -q "$@"
