@@ -8,7 +8,7 @@ source scripts/megatron.sh  # env.sh cd-ed to the repository root
 # Inductor compiles into an empty cache (CI always starts with one). The Megatron experts
 # test compiles Megatron's and te_paged's activations, about 30 graphs, after inductor's CPU
 # probes and precompiled header: 72 s cold in one process, 19 s warm, and its launch is on the
-# suite's longest path. Run its worker now, on the core that pip's installs leave idle; the
+# suite's longest path. Run its worker now, beside pip's installs (which use one core); the
 # test then finds every graph in the cache. The tests wait for it: left to finish beside them
 # it slowed the first launch's four ranks by 20 to 30 s (two runs). Its package imports pytest.
 # Skipped where inductor's cache (torch's default folder) has compiled anything before.
