@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -98,8 +97,9 @@ def test_the_install_line_names_what_the_release_imports_without_declaring_it(ve
     not declare: on a CPU torch, which brings no triton, megatron-core 0.19.2 does not import
     without the ``triton`` its install line adds. Each release imports, in a process of its
     own, with triton hidden; it must fail exactly when its line names triton."""
-    root = os.environ.get("TE_PAGED_TEST_MEGATRON_ROOT") or str(Path(sys.prefix) / "megatron")
-    folder = Path(root) / version  # where scripts/megatron.sh installs each release
+    from functional_tests.megatron import release_folder
+
+    folder = release_folder(version)  # where scripts/megatron.sh installs each release
     assert (folder / "megatron" / "core" / "package_info.py").is_file(), folder
     code = "\n".join(["import sys", "sys.modules['triton'] = None",  # import triton fails
                       *(f"import {name}" for name in MEGATRON_MODULES_USED)])  # fmt: skip
