@@ -11,7 +11,9 @@
 # Their dependencies without torch: numpy, packaging, psutil, and triton, which 0.19.2 imports
 # without declaring it (a CUDA torch brings it, a CPU torch does not; te_paged's
 # integrations/megatron/releases.py table).
-"$PY" -m pip install -q --disable-pip-version-check numpy packaging psutil triton
+# The releases' folders are their own (--target, --no-deps): they install beside the
+# dependencies, each in a pip of its own.
+release_pips=()
 for spec in 0.19.2:3.12 0.16.1:3.11; do  # release:the Python its wheel is taken for
   release=${spec%%:*}
   target="$VENV/megatron/$release"
@@ -19,7 +21,12 @@ for spec in 0.19.2:3.12 0.16.1:3.11; do  # release:the Python its wheel is taken
   rm -rf "$target"
   "$PY" -m pip install -q --disable-pip-version-check --no-deps --only-binary=:all: \
     --python-version "${spec##*:}" --ignore-requires-python --target "$target" \
-    "megatron-core==$release"
+    "megatron-core==$release" &
+  release_pips+=($!)
+done
+"$PY" -m pip install -q --disable-pip-version-check numpy packaging psutil triton
+for pid in "${release_pips[@]}"; do
+  wait "$pid" || { echo "megatron.sh: installing a megatron-core release failed" >&2; exit 1; }
 done
 # A megatron-core in site-packages itself (an older set-up installed 0.16.1 there) would shadow
 # the .pth entry, which comes after site-packages on sys.path. (Not `pip show`: it also finds

@@ -22,9 +22,9 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
-from te_paged.integrations.megatron import cpu_shims
+# torch, megatron-core and te_paged are imported in main(), not here: megatron-core's
+# dist_checkpointing.save starts a multiprocessing manager per rank with "spawn", which imports
+# this module again (as __mp_main__) in a new process: 3 s of CPU a rank for torch's import.
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-s", type=float, default=600.0, help="watchdog: exit after")
     args = parser.parse_args(argv)
     faulthandler.dump_traceback_later(args.timeout_s, exit=True)
+    import torch
+
+    from te_paged.integrations.megatron import cpu_shims
+
     cpu_shims.install()
     torch.set_num_threads(1)
     import torch.distributed as dist

@@ -405,6 +405,17 @@ def _run_jax(args: argparse.Namespace):
         shown.close()
 
 
+def preload_modules(args: argparse.Namespace) -> tuple[str, ...]:
+    """What the forkserver the ranks are forked from imports once for every rank: torch (its
+    import makes no CUDA call) and this module; on the CPU also the engine's framework
+    (``te_paged.tools.preload_megatron``, ``preload_torchtitan``), whose import can touch CUDA
+    where there is one."""
+    modules = ("torch", "torch.distributed", __name__)
+    if args.device == "cpu" and args.engine in ("megatron", "torchtitan"):
+        modules += (f"te_paged.tools.preload_{args.engine}",)
+    return modules
+
+
 def run_ab_command(args: argparse.Namespace) -> int:
     """The checked ``ab`` command: run, print the table, write the outputs; the exit status."""
     from te_paged.tools.ab import format_table
@@ -425,8 +436,7 @@ def run_ab_command(args: argparse.Namespace) -> int:
         try:
             result = spawn_ranks(
                 _rank, world, args.timeout * 1.1 + 5, None, args, tracebacks=args.traceback,
-                # torch's import (no CUDA call) once for every rank
-                preload=("torch", "torch.distributed", __name__),
+                preload=preload_modules(args),
             )  # fmt: skip
         except RankFailure as e:
             print(f"te-paged ab: error: {e}", file=sys.stderr)

@@ -63,7 +63,8 @@ __all__ = [
 
 def quiet_megatron() -> None:
     """Keep the table readable: silence what this tool's run always prints and is not about the
-    run — megatron-core's import-time notes that TE and Apex are absent, its transformer layer
+    run — megatron-core's import-time notes that TE and Apex are absent (and that its MIMO model,
+    which 0.19.2's optimizer factory imports, is experimental), its transformer layer
     naming te_paged's MoE layer an "Unknown MLP type" (see docs/megatron.md), and torch's module
     tracker skipping hooks of modules already freed."""
     for message in (
@@ -73,6 +74,8 @@ def quiet_megatron() -> None:
         "Module is None. Skipping",
         ".*absl.logging is not installed.*",  # megatron-core 0.19.2's hyper_comm_grid
         "full scope is deprecated",  # megatron-core 0.16.1's own default cuda_graph_scope
+        # 0.19.2's get_megatron_optimizer imports its MIMO model to test for one
+        "MimoModelConfig is experimental",
     ):
         warnings.filterwarnings("ignore", message=message)
     logging.getLogger("megatron.core.transformer.transformer_layer").setLevel(logging.ERROR)

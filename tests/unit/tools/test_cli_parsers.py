@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import io
 import itertools
@@ -179,6 +180,31 @@ def test_activation_checkpoint_is_torchtitans_flag_only(monkeypatch, engine) -> 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     args = cli._parser().parse_args(["ab", "--engine", engine, "--activation-checkpoint", "full"])
     assert "--activation-checkpoint" in (ab_command.check_ab_args(args) or "")
+
+
+@pytest.mark.parametrize(
+    ("engine", "framework", "imported"),
+    [
+        ("megatron", "megatron.core", ["megatron.core.models.gpt.gpt_model"]),
+        ("torchtitan", "torchtitan", ["te_paged.integrations.torchtitan.trainer"]),
+    ],
+)
+def test_cpu_ranks_fork_from_a_server_that_imported_the_framework(
+    engine, framework, imported
+) -> None:
+    # ``ab`` forks its ranks from a forkserver; on the CPU it imports the engine's framework
+    # there, once, instead of in every rank. The forkserver skips a preload module whose
+    # import fails, silently: so each must import here, and bring the framework with it.
+    pytest.importorskip(framework)
+    cpu = ab_command.preload_modules(argparse.Namespace(engine=engine, device="cpu"))
+    assert cpu[:3] == ("torch", "torch.distributed", ab_command.__name__)
+    (preload,) = cpu[3:]
+    importlib.import_module(preload)
+    assert all(name in sys.modules for name in imported)
+    # Never for CUDA ranks: an import that initialises CUDA would leave them unable to use it.
+    cuda = ab_command.preload_modules(argparse.Namespace(engine=engine, device="cuda"))
+    assert cuda == cpu[:3]
+    assert ab_command.preload_modules(argparse.Namespace(engine="default", device="cpu")) == cuda
 
 
 class _Terminal(io.StringIO):
