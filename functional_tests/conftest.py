@@ -1,6 +1,11 @@
-"""The background lane of rank launches (functional_tests/prelaunch.py): planned when
-collection ends, in test order, from what each selected test reads (its ``launch`` marks, or
-its module's ``LAUNCHES``)."""
+"""The background lane of rank launches (functional_tests/prelaunch.py): planned in test order,
+from what each selected test reads (its ``launch`` marks, or its module's ``LAUNCHES``).
+
+The functional tests are collected first (``testpaths``) and run after the in-process ones
+(:func:`pytest_collection_modifyitems`): in a whole run the lane starts once they are collected,
+while the rest of the suite is still being collected (about 20 s of one core; before, the lane
+waited for the end of collection).
+"""
 
 from __future__ import annotations
 
@@ -11,19 +16,65 @@ from functional_tests import launch, prelaunch
 _LANE: prelaunch.Lane | None = None
 
 
+def _early(config: pytest.Config) -> bool:
+    """Whether launches may start during collection: only where nothing deselects tests after
+    collection (``-k``, ``-m``, ``--deselect``, ``--lf``, ``--sw``), whose launches would run
+    for nothing."""
+    option = config.option
+    return not (
+        option.collectonly
+        or option.keyword
+        or option.markexpr
+        or getattr(option, "deselect", None)
+        or getattr(option, "lf", False)
+        or getattr(option, "stepwise", False)
+    )
+
+
+def _lane(config: pytest.Config) -> prelaunch.Lane:
+    global _LANE
+    if _LANE is None:
+        _LANE = prelaunch.Lane(prelaunch.folders(config._tmp_path_factory))
+    return _LANE
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests that ask for ``quiet_machine`` run last, in their order. The fixture waits for
+    """In-process tests first, then the functional tests (which read the lane's launches), then
+    those that ask for ``quiet_machine``, each in collection order. The quiet fixture waits for
     every queued launch: anywhere earlier, the tests after it would run with the lane idle and
     one core spare (measured: the last 57 s of the suite)."""
-    items.sort(key=lambda item: "quiet_machine" in getattr(item, "fixturenames", ()))
+    items.sort(key=lambda item: ("quiet_machine" in getattr(item, "fixturenames", ()),
+                                 _functional(item)))  # fmt: skip
+
+
+def _functional(item: pytest.Item) -> bool:
+    return "functional_tests" in item.path.parts
+
+
+_COLLECTED: list[pytest.Item] = []  # functional tests collected, not yet planned
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    if _functional(item) and _early(item.config):
+        _COLLECTED.append(item)
+
+
+def pytest_collectstart(collector: pytest.Collector) -> None:
+    """Every functional test is collected once collection leaves functional_tests/: plan their
+    launches now. Not earlier: the Megatron workers of one release are one launch whose parts
+    come from several modules."""
+    if _COLLECTED and "functional_tests" not in collector.path.parts:
+        _lane(collector.config).plan(launch for item in _COLLECTED for launch in _needs(item))
+        _COLLECTED.clear()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    global _LANE
     if session.config.option.collectonly:
         return
-    _LANE = prelaunch.Lane(prelaunch.folders(session.config._tmp_path_factory))
-    _LANE.plan(launch for item in session.items for launch in _needs(item))
+    lane = _lane(session.config)
+    needed = [launch for item in session.items for launch in _needs(item)]
+    lane.retain(launch.group for launch in needed)
+    lane.plan(needed)  # those planned already stay where they are
 
 
 def _needs(item: pytest.Item) -> list[prelaunch.Launch]:

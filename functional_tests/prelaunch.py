@@ -1,9 +1,12 @@
-"""Start the rank launches the collected tests need as soon as collection ends, in the background.
+"""Start the rank launches the collected tests need as soon as they are collected, in the
+background.
 
 Most functional tests read the results of one ``torchrun`` launch per module. The in-process
 tests that run before them keep one of the machine's two cores busy; a launch started in the
-background fills the other. So when collection ends (``functional_tests/conftest.py``) the suite
-starts every :class:`Launch` the selected tests read (a test's ``@pytest.mark.launch(L)``, or
+background fills the other. So once the functional tests are collected (they are collected
+first and run last: ``functional_tests/conftest.py``), while the rest of the suite is still
+being collected, or else when collection ends, the suite starts every :class:`Launch` the
+selected tests read (a test's ``@pytest.mark.launch(L)``, or
 its module's ``LAUNCHES`` for a module fixture), in the order the tests come, on background
 threads (one per four cores, at least one: a launch runs four ranks); a module's fixture then
 waits for its launch's result (:meth:`Lane.result`). On two cores one thread is the fastest:
@@ -69,25 +72,41 @@ class Lane:
         self._futures: dict[str, Future] = {}  # group -> its launch's {part: result}
         self._queue: list[str] = []
         self._stopped = threading.Event()
-        self._threads: list[threading.Thread] = []
+        self._threads: list[threading.Thread] = []  # every thread started
+        self._running: set[threading.Thread] = set()  # those still taking launches
         # The environment the session started with: each launch's commands get it, whatever a
         # test running beside the launch has set in os.environ meanwhile.
         self._env = dict(os.environ)
 
     def plan(self, launches: Iterable[Launch]) -> None:
-        """Queue ``launches`` (merged by group, in the order given) and start the threads."""
-        for launch in launches:
-            parts = self._parts.setdefault(launch.group, [])
-            if launch.part not in parts:
-                parts.append(launch.part)
-            if launch.group not in self._runs:
-                self._runs[launch.group] = launch.run
-                self._queue.append(launch.group)
+        """Queue ``launches`` (merged by group, in the order given, after those queued before)
+        and start threads for them, up to the setting's number running at once. A part added
+        to a group whose launch has started is not run: plan a group's parts before it starts
+        (a module's tests are collected together)."""
         threads = _thread_count()
-        for i in range(min(threads, len(self._queue))):
-            thread = threading.Thread(target=self._run_queued, name=f"prelaunch-{i}", daemon=True)
-            self._threads.append(thread)
-            thread.start()
+        with self._lock:
+            for launch in launches:
+                parts = self._parts.setdefault(launch.group, [])
+                if launch.part not in parts:
+                    parts.append(launch.part)
+                if launch.group not in self._runs:
+                    self._runs[launch.group] = launch.run
+                    self._queue.append(launch.group)
+            waiting = sum(group not in self._futures for group in self._queue)
+            for _ in range(min(threads - len(self._running), waiting)):
+                thread = threading.Thread(
+                    target=self._run_queued, name=f"prelaunch-{len(self._threads)}", daemon=True
+                )
+                self._threads.append(thread)
+                self._running.add(thread)
+                thread.start()
+
+    def retain(self, groups: Iterable[str]) -> None:
+        """Unqueue every group not in ``groups`` that has not started (the tests that needed it
+        were deselected after it was planned)."""
+        keep = set(groups)
+        with self._lock:
+            self._queue = [g for g in self._queue if g in keep or g in self._futures]
 
     def result(self, launch: Launch) -> Any:
         """``launch``'s result: waits for the background launch, or runs it now when it is
@@ -135,13 +154,17 @@ class Lane:
             future.set_result(result)
 
     def _run_queued(self) -> None:
-        """Run, on this thread, each queued launch nobody has started yet, in order."""
-        for group in self._queue:
-            if self._stopped.is_set():
-                return
-            future, owner = self._claim(group, self._parts[group][0], self._runs[group])
-            if owner:
-                self._execute(group, future)
+        """Run, on this thread, each queued launch nobody has started yet, in order, including
+        those queued meanwhile; a lane thread then leaves the running set (under the lock that
+        :meth:`plan` starts threads under, so no launch is queued with no thread to take it)."""
+        while True:
+            with self._lock:
+                group = next((g for g in self._queue if g not in self._futures), None)
+                if group is None or self._stopped.is_set():
+                    self._running.discard(threading.current_thread())
+                    return
+                future = self._futures[group] = Future()
+            self._execute(group, future)
 
 
 def folders(factory: Any) -> Callable[[str], Path]:

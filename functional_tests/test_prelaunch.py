@@ -199,6 +199,53 @@ def test_the_log_has_a_line_per_launch_with_its_thread_and_times(tmp_path, monke
         assert thread.startswith("prelaunch-") or thread == "MainThread"
 
 
-def test_tests_that_need_a_quiet_machine_run_after_every_other(request) -> None:
-    quiet = [("quiet_machine" in item.fixturenames, item.nodeid) for item in request.session.items]
-    assert [q for q, _ in quiet] == sorted(q for q, _ in quiet), [n for q, n in quiet if q]
+def test_launches_planned_later_run_on_the_lane_too(tmp_path) -> None:
+    # The lane is planned twice in a whole run: the functional tests when collection leaves
+    # functional_tests/, the rest when it ends. A lane thread that found its queue empty has
+    # left by the second: the second's launches must still run in the background.
+    names = {}
+
+    def run(parts, out):
+        names[parts] = threading.current_thread().name
+        return {p: None for p in parts}
+
+    lane = _lane(tmp_path)
+    first = Launch("g", "a", run)
+    lane.plan([first])
+    deadline = time.monotonic() + 30
+    while any(t.is_alive() for t in lane._threads) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    second = Launch("h", "b", run)
+    lane.plan([second, first])  # a group planned again is not run again
+    deadline = time.monotonic() + 30
+    while ("b",) not in names and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert names == {("a",): "prelaunch-0", ("b",): "prelaunch-1"}
+
+
+def test_a_planned_launch_no_selected_test_reads_is_dropped(tmp_path) -> None:
+    release, ran = threading.Event(), []
+
+    def run(parts, out):
+        ran.append(parts)
+        if parts == ("a",):
+            release.wait(timeout=30)
+        return {p: None for p in parts}
+
+    lane = _lane(tmp_path)
+    lane.plan([Launch(g, g, run) for g in "abc"])
+    deadline = time.monotonic() + 30
+    while not ran and time.monotonic() < deadline:
+        time.sleep(0.01)
+    lane.retain(["c"])  # "a" has started: it runs to its end; "b" never starts
+    release.set()
+    lane.drain()
+    assert ran == [("a",), ("c",)]
+
+
+def test_in_process_tests_run_first_then_functional_then_quiet_ones(request) -> None:
+    order = [
+        ("quiet_machine" in item.fixturenames, "functional_tests" in item.path.parts, item.nodeid)
+        for item in request.session.items
+    ]
+    assert [o[:2] for o in order] == sorted(o[:2] for o in order), [o[2] for o in order if o[0]]

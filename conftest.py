@@ -1,4 +1,5 @@
-"""Test-session setup shared by every test directory."""
+"""Test-session setup for every test directory (tests/, functional_tests/), loaded before either is
+collected."""
 
 import os
 
