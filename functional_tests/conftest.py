@@ -52,20 +52,28 @@ def _functional(item: pytest.Item) -> bool:
 
 
 _COLLECTED: list[pytest.Item] = []  # functional tests collected, not yet planned
+_PLANNED_EARLY: list[bool] = []  # [True] once the lane was planned before collection ended
+
+
+class _Planner:
+    """Plans the lane when collection leaves functional_tests/: every functional test is
+    collected then. Not earlier: the Megatron workers of one release are one launch whose parts
+    come from several modules. A plugin of its own, registered for the whole session: this
+    conftest's own hooks see only the nodes under functional_tests/."""
+
+    @staticmethod
+    def pytest_collectstart(collector: pytest.Collector) -> None:
+        if _COLLECTED and "functional_tests" not in collector.path.parts:
+            _lane(collector.config).plan(launch for item in _COLLECTED for launch in _needs(item))
+            _COLLECTED.clear()
+            _PLANNED_EARLY.append(True)
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:
-    if _functional(item) and _early(item.config):
+    if _functional(item) and _early(item.config) and _needs(item):
         _COLLECTED.append(item)
-
-
-def pytest_collectstart(collector: pytest.Collector) -> None:
-    """Every functional test is collected once collection leaves functional_tests/: plan their
-    launches now. Not earlier: the Megatron workers of one release are one launch whose parts
-    come from several modules."""
-    if _COLLECTED and "functional_tests" not in collector.path.parts:
-        _lane(collector.config).plan(launch for item in _COLLECTED for launch in _needs(item))
-        _COLLECTED.clear()
+        if not item.config.pluginmanager.is_registered(_Planner):
+            item.config.pluginmanager.register(_Planner, "te_paged_prelaunch_planner")
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -249,3 +249,19 @@ def test_in_process_tests_run_first_then_functional_then_quiet_ones(request) -> 
         for item in request.session.items
     ]
     assert [o[:2] for o in order] == sorted(o[:2] for o in order), [o[2] for o in order if o[0]]
+
+
+def test_a_whole_run_plans_the_lane_while_the_rest_is_collected(request) -> None:
+    # The lane starts when collection leaves functional_tests/ (collected first), not when it
+    # ends: in a whole run, about 20 s of one core. Only where something else is collected
+    # after the functional tests, and nothing deselects tests after collection (-k, -m, ...).
+    from functional_tests import conftest
+
+    items = request.session.items
+    functional = [item for item in items if conftest._functional(item)]
+    expected = (
+        conftest._early(request.config)
+        and len(functional) < len(items)
+        and any(conftest._needs(item) for item in functional)
+    )
+    assert conftest._PLANNED_EARLY == ([True] if expected else [])

@@ -13,11 +13,12 @@ source scripts/megatron.sh  # env.sh cd-ed to the repository root
 #     fp64, fp32 and bf16, 16 graphs): 59 s cold, 14 s warm, on the test process's own path.
 # Both run now, beside pip's installs (one core), with the tests' settings (one OpenMP thread,
 # the conftest's TRITON_INTERPRET), so that the tests find every graph in the cache; niced, so
-# that pip (the set-up's longest path) keeps its core: not niced, three processes on two cores
-# slowed pip's installs of .[test] and torchtitan from 33 s and 32 s to 105 s and 61 s. The tests
-# wait for them: left to finish beside the tests, the first warm-up slowed the first launch's
-# four ranks by 20 to 30 s (two runs). Both need only torch, megatron-core and pytest. Skipped
-# where inductor's cache (torch's default folder) has compiled anything before.
+# that pip keeps its core (three processes on two cores). The second warm-up costs the set-up
+# about 35 s (237 s without, 271 s with, one after the other) and saves the test process 45 s
+# of compiling alone, more beside the lane. The tests wait for them: left to finish beside the
+# tests, the first warm-up slowed the first launch's four ranks by 20 to 30 s (two runs). Both
+# need only torch, megatron-core and pytest. Skipped where inductor's cache (torch's default
+# folder) has compiled anything before.
 "$PY" -m pip install -q --disable-pip-version-check "pytest>=8"
 [ -z "$torch_bytecode" ] || wait "$torch_bytecode" || true  # env.sh
 warm_compile=() warm_dir=
