@@ -52,7 +52,6 @@ def _functional(item: pytest.Item) -> bool:
 
 
 _COLLECTED: list[pytest.Item] = []  # functional tests collected, not yet planned
-_PLANNED_EARLY: list[bool] = []  # [True] once the lane was planned before collection ended
 
 
 class _Planner:
@@ -66,7 +65,11 @@ class _Planner:
         if _COLLECTED and "functional_tests" not in collector.path.parts:
             _lane(collector.config).plan(launch for item in _COLLECTED for launch in _needs(item))
             _COLLECTED.clear()
-            _PLANNED_EARLY.append(True)
+
+
+def planned_early(config: pytest.Config) -> bool:
+    """Whether the lane was planned before collection ended (by :class:`_Planner`)."""
+    return config.pluginmanager.is_registered(_Planner) and not _COLLECTED
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:

@@ -264,4 +264,4 @@ def test_a_whole_run_plans_the_lane_while_the_rest_is_collected(request) -> None
         and len(functional) < len(items)
         and any(conftest._needs(item) for item in functional)
     )
-    assert conftest._PLANNED_EARLY == ([True] if expected else [])
+    assert conftest.planned_early(request.config) == expected
