@@ -1,5 +1,5 @@
-"""Run a worker under ``torchrun``, or any Python command, with a hard timeout and no processes
-left behind."""
+"""Run a worker under ``torchrun`` or ``forkrun``, or any Python command, with a hard timeout
+and no processes left behind."""
 
 from __future__ import annotations
 
@@ -26,11 +26,31 @@ def torchrun(
     """``python -m torch.distributed.run --standalone --nproc_per_node=N *args``; its output
     (stdout and stderr together). Fails the test on a non-zero exit or after ``timeout_s``."""
     cmd = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    return _ranks("torchrun", cmd, timeout_s=timeout_s, env=env, cwd=cwd)
+
+
+def forkrun(
+    args: list[str],
+    *,
+    nproc: int,
+    timeout_s: int,
+    preload: tuple[str, ...] = (),
+    env: dict | None = None,
+) -> str:
+    """:func:`torchrun`'s contract, with the ranks forked from one process that imported
+    ``preload`` and the worker once (``functional_tests/forkrun.py``): for the CPU workers
+    whose imports are most of their CPU time."""
+    cmd = ["-m", "functional_tests.forkrun", f"--nproc={nproc}", f"--preload={','.join(preload)}",
+           *args]  # fmt: skip
+    return _ranks("forkrun", cmd, timeout_s=timeout_s, env=env, cwd=None)
+
+
+def _ranks(what: str, cmd: list[str], *, timeout_s: int, env: dict | None, cwd) -> str:
     # The ranks share the CPU cores.
     proc = run_python(cmd, timeout_s=timeout_s, env={"OMP_NUM_THREADS": "1", **(env or {})},
                       cwd=cwd, merge_output=True)  # fmt: skip
     if proc.returncode != 0:
-        pytest.fail(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-12000:]}")
+        pytest.fail(f"{what} failed ({proc.returncode}):\n{proc.stdout[-12000:]}")
     return proc.stdout
 
 

@@ -1,6 +1,6 @@
-"""Multi-rank cases of the paged-stash runner; run under ``torchrun --nproc_per_node=4``.
+"""Multi-rank cases of the paged-stash runner, on 4 ranks (``torchrun`` or ``forkrun``):
 
-    python -m torch.distributed.run --nproc_per_node=4 functional_tests/runner_worker.py --out DIR
+    python -m torch.distributed.run --nproc_per_node=4 -m functional_tests.runner_worker --out DIR
 
 Each rank writes ``DIR/rank{r}.json`` with its observations; ``test_runner_multirank.py``
 launches this and asserts on them. Every case builds fresh models from seeds, so cases cannot

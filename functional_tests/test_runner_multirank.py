@@ -1,4 +1,4 @@
-"""Launch ``runner_worker.py`` under torchrun with 4 gloo ranks and check what each rank saw.
+"""Launch ``runner_worker.py`` on 4 forked gloo ranks and check what each rank saw.
 
 1. in budget, paged stash ON vs OFF: per-step loss, grad norm and every gradient bitwise equal
    on every rank; stashes == pops > 0; no flags;
@@ -27,15 +27,14 @@ from pathlib import Path
 
 import pytest
 
-from .launch import torchrun
+from .launch import forkrun
 from .prelaunch import alone
 
 WORLD = 4
-HERE = Path(__file__).parent
 
 
 def _launch(out: Path) -> list[dict]:
-    torchrun([str(HERE / "runner_worker.py"), "--out", str(out)], nproc=WORLD, timeout_s=300)
+    forkrun(["-m", "functional_tests.runner_worker", "--out", str(out)], nproc=WORLD, timeout_s=300)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 

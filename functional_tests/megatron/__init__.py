@@ -1,4 +1,4 @@
-"""Megatron-core integration: functional tests launched with torchrun.
+"""Megatron-core integration: functional tests on 4 CPU ranks (gloo).
 
 Two megatron-core releases are installed for the tests (scripts/megatron.sh), each in a folder
 of the virtual environment: 0.19.2 (the current release) is what every process imports by
@@ -18,10 +18,13 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import pytest
+if TYPE_CHECKING:
+    from functional_tests.prelaunch import Launch
 
-from functional_tests.prelaunch import Launch
+# pytest and the lane are imported where they are used: a rank's multiprocessing children
+# (megatron-core's dist_checkpointing starts one with "spawn") import this package again.
 
 #: The releases the tests launch, the default (what an unqualified import gives) first.
 DEFAULT_RELEASE = "0.19.2"
@@ -41,6 +44,8 @@ def release_folder(release: str) -> Path:
 def release_env(release: str) -> dict[str, str]:
     """Environment for a launch that imports megatron-core ``release`` (fails the test when
     that release is not installed)."""
+    import pytest
+
     folder = release_folder(release)
     if not (folder / "megatron" / "core" / "package_info.py").is_file():
         pytest.fail(f"megatron-core {release} is not in {folder}: run scripts/test.sh once")
@@ -59,17 +64,21 @@ def run_workers(
     release: str = DEFAULT_RELEASE,
     env: dict[str, str] | None = None,
 ) -> dict[str, list[dict]]:
-    """Launch ``functional_tests.megatron.launch_workers`` on ``world_size`` CPU ranks with
-    torchrun against megatron-core ``release``, running ``workers`` one after another in one
-    process group, ``env`` added to the ranks' environment (fails the test when that release is
-    missing or a rank fails); each worker's list of per-rank JSON results."""
-    from functional_tests.launch import torchrun
+    """Launch ``functional_tests.megatron.launch_workers`` on ``world_size`` CPU ranks against
+    megatron-core ``release``, running ``workers`` one after another in one process group,
+    ``env`` added to the ranks' environment (fails the test when that release is missing or a
+    rank fails); each worker's list of per-rank JSON results. The ranks are forked from a
+    process that imported megatron-core and the workers once (``functional_tests/forkrun.py``):
+    6 to 10 s of CPU a rank otherwise."""
+    from functional_tests.launch import forkrun
 
-    torchrun(
+    forkrun(
         ["-m", "functional_tests.megatron.launch_workers", "--workers", ",".join(workers),
          "--out", str(out), "--timeout-s", str(timeout_s - 30)],
         nproc=world_size,
         timeout_s=timeout_s,
+        preload=("te_paged.tools.preload_megatron",
+                 *(f"functional_tests.megatron.{worker}" for worker in workers)),
         # Megatron warns at import that TE and Apex are absent.
         env={"PYTHONWARNINGS": "ignore", **release_env(release), **(env or {})},
     )  # fmt: skip
@@ -93,6 +102,8 @@ def workers_launch(
     """``worker`` on 4 ranks as a :class:`~functional_tests.prelaunch.Launch`: every worker the
     collected tests need on the same release and environment runs in one launch, whose timeout
     is the sum of theirs. Its result is the worker's list of per-rank results."""
+    from functional_tests.prelaunch import Launch
+
     group = " ".join(["megatron", release, *(f"{k}={v}" for k, v in sorted((env or {}).items()))])
     timeouts[group, worker] = timeout_s
 

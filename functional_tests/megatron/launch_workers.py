@@ -1,12 +1,13 @@
 """Run Megatron functional workers in one process group: ``main(argv)``, one process per rank.
 
 ``python -m torch.distributed.run --nproc_per_node=4 -m functional_tests.megatron.launch_workers
---workers train_worker,pipeline_worker --out DIR`` (what :func:`functional_tests.megatron.
-run_workers` launches). Each worker module (``train_worker``, ``pipeline_worker``,
-``builtin_worker``, ``worker``) has ``STEPS`` and ``run_cases(rank, world, out) -> dict``; the
-launch runs them one after another on gloo, so megatron-core's import (about 5 s a process) and
-gloo's set-up are paid once, and writes each worker's results to ``DIR/<worker>/rank<r>.json``
-with the world size, the worker's step count and the megatron-core release imported.
+--workers train_worker,pipeline_worker --out DIR``, or the same under ``functional_tests.
+forkrun`` (what :func:`functional_tests.megatron.run_workers` launches). Each worker module
+(``train_worker``, ``pipeline_worker``, ``builtin_worker``, ``worker``) has ``STEPS`` and
+``run_cases(rank, world, out) -> dict``; the launch runs them one after another on gloo, so
+megatron-core's import (about 5 s a process) and gloo's set-up are paid once, and writes each
+worker's results to ``DIR/<worker>/rank<r>.json`` with the world size, the worker's step count
+and the megatron-core release imported.
 
 A rank whose peers died would wait in a collective for ever: after ``--timeout-s`` every rank
 dumps its stacks and exits.

@@ -1,4 +1,4 @@
-"""Worker of ``test_torchtitan_train.py``: every case in one ``torchrun`` launch (4 CPU ranks).
+"""Worker of ``test_torchtitan_train.py``: every case in one launch (4 CPU ranks).
 
 Each case trains a fresh :class:`~te_paged.integrations.torchtitan.PagedStashTrainer` (the
 ``ab`` engine's tiny torchtitan DeepSeek-V3, made smaller) for :data:`STEPS` steps, paged stash
