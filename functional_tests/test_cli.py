@@ -533,16 +533,9 @@ def test_ab_engine_arguments_are_checked_before_any_rank_starts(args, message, c
 def test_ab_engine_megatron_without_megatron_exits_2_with_the_install_line(
     monkeypatch, capsys
 ) -> None:
-    import importlib
-
-    real_import = importlib.import_module
-
-    def no_megatron(name: str, *args, **kwargs):
-        if name.startswith("megatron"):
-            raise ImportError(f"No module named {name!r}")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(importlib, "import_module", no_megatron)
+    for name in [n for n in sys.modules if n.split(".")[0] == "megatron"]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "megatron", None)  # `import megatron` fails
     assert cli.main(["ab", "--engine", "megatron"]) == 2
     err = capsys.readouterr().err
     assert "pip install --no-deps megatron-core==0.19.2" in err and "Traceback" not in err

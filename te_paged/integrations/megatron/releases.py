@@ -36,6 +36,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
+import sys
+from pathlib import Path
 
 __all__ = [
     "RELEASES",
@@ -119,13 +122,34 @@ def installed_version() -> str:
     hash of the folder it is installed in to ``__version__``; the release is the first three
     parts). ``RuntimeError`` with the install line when Megatron is missing."""
     try:
-        info = importlib.import_module("megatron.core.package_info")
+        info = _package_info()
     except ImportError as e:
         raise RuntimeError(
             f"megatron-core is not importable ({e}); install a supported release "
             f"({', '.join(SUPPORTED)}) with `{install_line()}` (keeps your torch as it is)"
         ) from e
     return ".".join(str(part) for part in info.VERSION[:3])
+
+
+def _package_info():
+    """megatron-core's ``package_info`` module: the one imported, else its file run on its own.
+    Importing it as ``megatron.core.package_info`` runs ``megatron/core/__init__.py`` first,
+    6 s of CPU on a 2-core machine, which a version check does not need (``te-paged ab``'s
+    parent process checks the release; only its ranks build Megatron models)."""
+    loaded = sys.modules.get("megatron.core.package_info")
+    if loaded is not None:
+        return loaded
+    spec = importlib.util.find_spec("megatron.core")  # imports `megatron`, a namespace package
+    if spec is None:
+        raise ImportError("No module named 'megatron.core'")
+    for folder in spec.submodule_search_locations or ():
+        path = Path(folder) / "package_info.py"
+        if path.is_file():
+            file_spec = importlib.util.spec_from_file_location("_megatron_package_info", path)
+            module = importlib.util.module_from_spec(file_spec)
+            file_spec.loader.exec_module(module)
+            return module
+    return importlib.import_module("megatron.core.package_info")
 
 
 def installed_release() -> MegatronRelease:

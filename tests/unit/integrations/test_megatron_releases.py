@@ -92,6 +92,26 @@ MEGATRON_MODULES_USED = (
 
 
 @pytest.mark.parametrize("version", releases.SUPPORTED)
+def test_the_release_check_does_not_import_megatron_core(version) -> None:
+    """``te-paged ab --engine megatron``'s parent process checks the release and builds no
+    model: reading the version must not run megatron-core's ``__init__`` (6 s of CPU)."""
+    from functional_tests.megatron import release_folder
+
+    code = ("import sys\nfrom te_paged.integrations.megatron.releases import installed_release\n"
+            "print(installed_release().version, 'megatron.core' in sys.modules)")  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(release_folder(version)),
+                                                          os.environ.get("PYTHONPATH", "")])},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == [version, "False"]
+
+
+@pytest.mark.parametrize("version", releases.SUPPORTED)
 def test_the_install_line_names_what_the_release_imports_without_declaring_it(version) -> None:
     """``--no-deps`` keeps pip away from torch, and so from every dependency the release does
     not declare: on a CPU torch, which brings no triton, megatron-core 0.19.2 does not import
