@@ -32,15 +32,6 @@ if [ ! -d "$inductor_cache/fxgraph" ]; then
   OMP_NUM_THREADS=1 nice -n 10 "$PY" -m pytest -q -p no:cacheprovider \
     tests/unit/grouped/test_weighted_activation.py >"$warm_dir/activations.log" 2>&1 &
   warm_compile+=($!)
-  # megatron-core 0.19.2's moe_act recompute (CheckpointWithoutOutput) builds a C++ extension
-  # with the host compiler on first use, into torch's extension cache (30 to 74 s here; rebuilt
-  # for every new environment: 57 s alone). Built on its own, beside the others, the experts
-  # warm-up above (which runs that recompute) finds it built instead of compiling it on its
-  # serial path: in a fresh clone at 1539cbb that warm-up ended 55 s after pip, one core idle.
-  # A private function of 0.19.2 (0.16.1 has none); failing, it costs only its time.
-  PYTHONWARNINGS=ignore nice -n 10 "$PY" -c 'from megatron.core.tensor_parallel import random
-getattr(random, "_get_share_storage", lambda: None)()' >"$warm_dir/share_storage.log" 2>&1 &
-  warm_compile+=($!)
 fi
 "$PY" -m pip install -q --disable-pip-version-check -e ".[test]"
 source scripts/torchtitan.sh  # torchtitan 0.3.0, for its integration tests
