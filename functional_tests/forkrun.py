@@ -137,7 +137,6 @@ def main(argv: list[str] | None = None) -> int:
         if pid == 0:  # a rank
             for fd in (write_fd, *port_pipes):
                 os.close(fd)
-            code = 1
             try:
                 code = _run_rank(args, rank, read_fd)
             finally:
@@ -157,10 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     running = set(ranks)
-    store = None
     try:
         from torch.distributed import TCPStore
 
+        # Hosted after the fork (its server has threads); it lives until the ranks are done.
         store = TCPStore("127.0.0.1", 0, world_size=None, is_master=True,
                          wait_for_workers=False)  # fmt: skip
         for fd in port_pipes:
@@ -186,7 +185,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for fd in port_pipes:  # ranks still waiting for a port read an empty one and exit
             os.close(fd)
-        del store
 
 
 if __name__ == "__main__":
