@@ -432,6 +432,8 @@ def torch_stash_pop(
     # The pages go back to the free list before their rows are read: nothing runs in between
     # on the host, and the move is then the last thing the pop does.
     st, free_ints = _ints(state), _ints(free)
+    if need and not free_ints:  # only a record nobody wrote names a tier this pool lacks
+        raise ValueError(f"record's pages belong to a tier ({tier}) this pool does not have")
     _put(free_ints, st[tail_i], pages)
     st[tail_i] += need
     _store(free, free_ints)
