@@ -36,13 +36,14 @@ def forkrun(
     timeout_s: int,
     preload: tuple[str, ...] = (),
     env: dict | None = None,
+    cwd=None,
 ) -> str:
     """:func:`torchrun`'s contract, with the ranks forked from one process that imported
     ``preload`` and the worker once (``functional_tests/forkrun.py``): for the CPU workers
-    whose imports are most of their CPU time."""
+    and docs examples whose imports are most of their CPU time."""
     cmd = ["-m", "functional_tests.forkrun", f"--nproc={nproc}", f"--preload={','.join(preload)}",
            *args]  # fmt: skip
-    return _ranks("forkrun", cmd, timeout_s=timeout_s, env=env, cwd=None)
+    return _ranks("forkrun", cmd, timeout_s=timeout_s, env=env, cwd=cwd)
 
 
 def _ranks(what: str, cmd: list[str], *, timeout_s: int, env: dict | None, cwd) -> str:
