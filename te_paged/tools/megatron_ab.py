@@ -45,6 +45,7 @@ from te_paged.tools.ab import (
     StepMeter,
     StepResult,
     capturing,
+    destroy_groups_made_inside,
     rank_result,
     step_result,
 )
@@ -306,18 +307,20 @@ def _build(cfg: MegatronModelConfig, paged: bool, ep: int, device: torch.device,
 @contextlib.contextmanager
 def megatron_parallel(ep: int, pp: int = 1, vpp: int | None = None) -> Iterator[None]:
     """Megatron's model-parallel state with expert parallelism ``ep``, pipeline parallelism
-    ``pp`` (``vpp`` virtual stages per rank) and TP = 1 inside."""
+    ``pp`` (``vpp`` virtual stages per rank) and TP = 1 inside; on exit, the process groups
+    made inside are destroyed (:func:`te_paged.tools.ab.destroy_groups_made_inside`)."""
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(
-        pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp,
-        expert_model_parallel_size=ep,
-    )
-    try:
-        yield
-    finally:
-        parallel_state.destroy_model_parallel()
+    with destroy_groups_made_inside():
+        parallel_state.initialize_model_parallel(
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vpp,
+            expert_model_parallel_size=ep,
+        )
+        try:
+            yield
+        finally:
+            parallel_state.destroy_model_parallel()
 
 
 def train(

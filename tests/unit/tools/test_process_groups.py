@@ -1,0 +1,47 @@
+"""``ab.destroy_groups_made_inside``: a block that makes process groups (Megatron's
+``initialize_model_parallel``) leaves none alive, nor their gloo threads."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+from te_paged.tools.ab import destroy_groups_made_inside
+
+
+def _gloo_loop_threads() -> int:
+    """Threads of this process that gloo's TCP transport runs, one per live gloo group."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
+    return names.count("gloo_tcp_loop")
+
+
+def test_groups_made_inside_are_destroyed_and_their_threads_end(tmp_path) -> None:
+    started_here = not dist.is_initialized()
+    if started_here:
+        store = (tmp_path / "store").as_uri()
+        dist.init_process_group("gloo", init_method=store, rank=0, world_size=1)
+    try:
+        groups_before, threads_before = set(distributed_c10d._world.pg_map), _gloo_loop_threads()
+        with destroy_groups_made_inside():
+            # Held in a reference cycle, as a model's modules hold their groups: only the
+            # garbage collector frees them (and so ends their threads).
+            held: dict = {"groups": [dist.new_group([0]) for _ in range(3)]}
+            held["self"] = held
+            for group in held["groups"]:
+                dist.all_reduce(torch.ones(1), group=group)
+            assert _gloo_loop_threads() == threads_before + 3
+            del held, group
+        assert set(distributed_c10d._world.pg_map) == groups_before
+        assert _gloo_loop_threads() == threads_before
+    finally:
+        if started_here:
+            dist.destroy_process_group()
