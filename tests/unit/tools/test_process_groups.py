@@ -30,6 +30,9 @@ def test_groups_made_inside_are_destroyed_and_their_threads_end(tmp_path) -> Non
         store = (tmp_path / "store").as_uri()
         dist.init_process_group("gloo", init_method=store, rank=0, world_size=1)
     try:
+        # The default group (an earlier test's, in the suite) connects, and starts its own
+        # thread, at its first collective: before the count.
+        dist.all_reduce(torch.ones(1))
         groups_before, threads_before = set(distributed_c10d._world.pg_map), _gloo_loop_threads()
         with destroy_groups_made_inside():
             # Held in a reference cycle, as a model's modules hold their groups: only the
