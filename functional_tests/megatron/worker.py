@@ -305,23 +305,17 @@ def dist_checkpoint_case(ep: int, rank: int, root: Path) -> dict:
 
 
 def run_cases(rank: int, world: int, out: Path) -> dict:
-    from megatron.core import parallel_state
-
-    from te_paged.tools.ab import destroy_groups_made_inside
+    from te_paged.tools.megatron_ab import megatron_parallel
 
     results = {}
     for ep in EPS:
-        with destroy_groups_made_inside():
-            parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
-            try:
-                for dispatcher in DISPATCHERS:
-                    for recompute in (False, True):
-                        results[case_id(ep, dispatcher, recompute)] = run_case(
-                            ep, dispatcher, recompute, rank
-                        )
-                results[f"dist_checkpoint-ep{ep}"] = dist_checkpoint_case(
-                    ep, rank, out / "dist_checkpoint"
-                )
-            finally:
-                parallel_state.destroy_model_parallel()
+        with megatron_parallel(ep):
+            for dispatcher in DISPATCHERS:
+                for recompute in (False, True):
+                    results[case_id(ep, dispatcher, recompute)] = run_case(
+                        ep, dispatcher, recompute, rank
+                    )
+            results[f"dist_checkpoint-ep{ep}"] = dist_checkpoint_case(
+                ep, rank, out / "dist_checkpoint"
+            )
     return results

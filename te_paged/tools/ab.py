@@ -14,10 +14,8 @@ each rank; :func:`format_table` renders it; :mod:`te_paged.tools.run_record` wri
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -37,7 +35,6 @@ __all__ = [
     "RankResult",
     "StepResult",
     "capturing",
-    "destroy_groups_made_inside",
     "format_table",
     "gather",
     "measured_step",
@@ -505,33 +502,3 @@ def format_table(result: ABResult) -> str:
         f"ON and OFF {'bitwise equal' if result.equal else 'DIFFER'}.",
     ]
     return "\n".join(rows)
-
-
-@contextlib.contextmanager
-def destroy_groups_made_inside() -> Iterator[None]:
-    """Destroy, on exit, every process group made inside the block, and collect the garbage
-    that still holds them. Megatron's ``destroy_model_parallel`` only forgets its groups
-    (about 20 per ``initialize_model_parallel`` on 4 ranks), and each gloo group keeps a TCP
-    loop thread that wakes on a timer for as long as the group lives: measured on 2 CPU
-    cores, 150 live groups cost each rank a fifth of a core while idle and made a fixed
-    compute loop 60 % slower. A process that sets up Megatron's parallel state again and again
-    (each case of a test worker) otherwise carries every earlier set-up's groups: the four
-    Megatron workers' launch ended with 161 groups and 488 threads a rank, and took 250 s of
-    CPU (214 s with this). Every rank must leave the block together, as it entered it (SPMD)."""
-    from torch.distributed import distributed_c10d
-
-    def groups() -> list[dist.ProcessGroup]:  # torch keeps no public list of the live groups
-        return list(distributed_c10d._world.pg_map)
-
-    def destroy(before: set[dist.ProcessGroup]) -> None:  # its frame holds no group after
-        for group in groups():
-            if group not in before:
-                dist.destroy_process_group(group)
-
-    before = set(groups())
-    try:
-        yield
-    finally:
-        destroy(before)
-        before.clear()
-        gc.collect()  # the models and optimizers of the block hold groups in reference cycles

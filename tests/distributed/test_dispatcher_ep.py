@@ -18,7 +18,6 @@ Cases, each checked per rank in the parent from what the ranks saved:
 from __future__ import annotations
 
 import datetime
-import multiprocessing
 from pathlib import Path
 
 import pytest
@@ -132,7 +131,7 @@ def ranks(tmp_path_factory) -> list[dict]:
     # The ranks fork from a forkserver that imported torch and this module once (about 4 s of
     # CPU a rank on 2 cores when each imports them). Where the session's forkserver already
     # runs, with other modules, the ranks import what it lacks.
-    multiprocessing.set_forkserver_preload([__name__])
+    mp.set_forkserver_preload([__name__])
     mp.start_processes(_worker, args=(str(out),), nprocs=WORLD, join=True,
                        start_method="forkserver")  # fmt: skip
     return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]

@@ -1,4 +1,4 @@
-"""``ab.destroy_groups_made_inside``: a block that makes process groups (Megatron's
+"""``megatron_ab.destroy_groups_made_inside``: a block that makes process groups (Megatron's
 ``initialize_model_parallel``) leaves none alive, nor their gloo threads."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from te_paged.tools.ab import destroy_groups_made_inside
+from te_paged.tools.megatron_ab import destroy_groups_made_inside
 
 
 def _gloo_loop_threads() -> int:
