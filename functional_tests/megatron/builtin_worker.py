@@ -13,7 +13,11 @@ dispatcher), with te_paged's MoE spec. Cases:
   alone, the schedules' ``paged_stash_reset`` and ``GPTModel``'s chunk handler run, and
   Megatron's manager still allocates no ``PagedStashBuffer``, sees no saved tensor and holds
   no capture; te_paged's manager stashed and popped; ON == OFF bitwise;
-* ``refusals``: Megatron's ``PagedStashRunner`` built around te_paged's model; te_paged's
+* ``megatron_runner``: te_paged's layers under Megatron's own ``PagedStashRunner`` (what
+  Megatron-LM's ``pretrain()`` builds), in a step of our own: ON vs OFF (and vs te_paged's
+  runner) with spies on Megatron's stash, forced over budget (and again without the RNG
+  restore), forced stash overflow, evaluations as ``evaluate()`` runs them;
+* ``refusals``: Megatron's ``PagedStashRunner`` built beside te_paged's runner; te_paged's
   runner built around Megatron's own ``TEGroupedMLP`` on the op-fuser path with
   ``moe_paged_stash`` (Transformer Engine cannot be installed here, so the experts are
   Megatron's ``TEGroupedMLP`` over te_paged's linears with ``_with_fused_impl`` set, the one
@@ -376,12 +380,111 @@ def reruns_case(ep: int, rank: int) -> dict:
     return {"megatron": megatron, "te_paged": te_paged}
 
 
+def megatron_runner_case(ep: int, rank: int) -> dict:
+    """te_paged's layers under Megatron's own ``PagedStashRunner`` (what Megatron-LM's
+    ``pretrain()`` builds around ``forward_backward_func``), in a training step of our own."""
+    from te_paged.tools.megatron_ab import same_steps, train
+
+    from functional_tests.megatron.train_worker import mutated
+
+    cpu = torch.device("cpu")
+    out: dict = {}
+
+    def attempts(run) -> list[int]:
+        return [s.attempt for s in run.steps]
+
+    off = train(config(steps=STEPS, runner="megatron", **PARITY), False, ep, cpu, rank)
+    counts: dict[str, int] = {}
+    with megatron_stash_spies(counts):
+        on = train(config(steps=STEPS, runner="megatron", **PARITY), True, ep, cpu, rank)
+    te_runner = train(config(steps=STEPS, **PARITY), True, ep, cpu, rank)
+    out["parity"] = {
+        "equal": same_steps(on, off),
+        "equal_te_paged_runner": same_steps(on, te_runner),
+        "attempt": attempts(on),
+        "stashes_pops": [[s.stashes, s.pops] for s in on.steps],
+        "megatron_counts": counts,
+    }
+    skew = {"skew": 2.0}
+    reference = train(config(steps=STEPS, runner="megatron", **skew, **NEVER_OVERFLOWS), True,
+                      ep, cpu, rank)  # fmt: skip
+    forced = config(steps=STEPS, runner="megatron", **skew, capacity_factor=1.5)
+    run = train(forced, True, ep, cpu, rank)
+    out["over_budget"] = {
+        "equal": same_steps(run, reference),
+        "attempt": attempts(run),
+        "reference_attempt": attempts(reference),
+        "overbudget_ranks": [s.overbudget_ranks for s in run.steps],
+    }
+    with mutated("rng"):
+        run = train(forced, True, ep, cpu, rank)
+    out["mutation_rng"] = {"equal": same_steps(run, reference), "attempt": attempts(run)}
+    roomy = train(config(steps=STEPS, runner="megatron", **NEVER_OVERFLOWS), True, ep, cpu, rank)
+    small = config(steps=STEPS, runner="megatron", buffer_factor_cuda=0.3, grow_pool=False)
+    run = train(small, True, ep, cpu, rank)
+    out["overflow"] = {
+        "equal": same_steps(run, roomy),
+        "attempt": attempts(run),
+        "stash_overflow_ranks": [s.stash_overflow_ranks for s in run.steps],
+    }
+    out["eval"] = _megatron_runner_eval(ep, rank)
+    return out
+
+
+def _megatron_runner_eval(ep: int, rank: int) -> dict:
+    """Evaluations as Megatron-LM's ``evaluate()`` runs them (a runner of their own without an
+    optimizer, eval mode, ``torch.no_grad()``, ``forward_only``) between training steps that
+    go over budget: they rerun too, and never count towards the fallback limit."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.moe.paged_stash import PagedStashRunner
+
+    from te_paged.tools.megatron_ab import _build, microbatch
+
+    cfg = config(steps=1, runner="megatron", skew=2.0, capacity_factor=1.5,
+                 max_consecutive_fallbacks=3)  # fmt: skip
+    ddp, optimizer, runner = _build(cfg, True, ep, torch.device("cpu"), rank)
+    loop = runner.loop
+    out: dict = {"train": [], "eval": [], "error": None}
+
+    def train_step(step: int) -> None:
+        data = [microbatch(cfg, step, i, rank) for i in range(cfg.microbatches)]
+        optimizer.zero_grad()
+        for chunk in ddp:
+            chunk.zero_grad_buffer()
+        _, record = runner(**step_kwargs(cfg, ddp, data))
+        optimizer.step()
+        out["train"].append([record.attempt, loop.fallbacks])
+
+    try:
+        train_step(0)
+        train_step(1)
+        evaluator = PagedStashRunner(ddp[0].module.config, False, ddp, None,
+                                     get_forward_backward_func())  # fmt: skip
+        for chunk in ddp:
+            chunk.eval()
+        with torch.no_grad():
+            for i in range(4):  # more evaluations in a row than max_consecutive_fallbacks
+                data = [microbatch(cfg, 1000 + i, j, rank) for j in range(cfg.microbatches)]
+                losses = evaluator(**step_kwargs(cfg, ddp, data, forward_only=True))
+                record = loop.records[-1]
+                (stats,) = runner.stats[-1]  # as the evaluation left the manager
+                out["eval"].append([record.attempt, record.enabled, stats.stashes,
+                                    loop.fallbacks, len(losses)])  # fmt: skip
+        for chunk in ddp:
+            chunk.train()
+        train_step(2)
+    except Exception as e:  # noqa: BLE001 - the test reads what went wrong
+        out["error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
 def run_cases(rank: int, world: int, out: Path) -> dict:
     from te_paged.tools.megatron_ab import megatron_parallel
 
     ep = world
     with megatron_parallel(ep):
         return {
+            "megatron_runner": megatron_runner_case(ep, rank),
             "inert": inert_case(ep, rank),
             "refusals": refusals_case(ep, rank),
             "eval": eval_case(ep, rank, forward_only=True),

@@ -8,8 +8,14 @@ show:
   Megatron's schedule and model hooks are off under te_paged's runner, and without the runner
   they run but Megatron's global manager allocates and records nothing; te_paged's stash does
   the paging, ON == OFF bitwise;
-* the two wrong pairings (Megatron's runner around te_paged's layers, te_paged's runner around
-  Megatron's fused experts with the built-in stash) are refused with the fix;
+* Megatron's own ``PagedStashRunner`` (what Megatron-LM's ``pretrain()`` builds) drives
+  te_paged's layers through the seams it calls on dispatchers (te_paged's
+  ``MegatronLoopAdapter``): ON == OFF and equal to te_paged's runner, forced over-budget and
+  stash-overflow reruns bitwise with dropout (not without the RNG restore), evaluations stash
+  nothing and are not fallbacks;
+* the two wrong pairings (Megatron's runner beside te_paged's runner on the same layers,
+  te_paged's runner around Megatron's fused experts with the built-in stash) are refused with
+  the fix;
 * an evaluation step with autograd on stashes nothing and never counts towards the fallback
   limit (the same evaluation stashed as training did would overflow and trip the limit);
 * ``measure_fallback_memory`` works with Megatron's DDP wrapper;
@@ -56,12 +62,56 @@ def test_megatrons_hooks_are_off_under_the_runner_and_inert_without_it(ranks) ->
         assert case["equal"] == [True] * STEPS, case
 
 
-def test_megatrons_runner_around_te_paged_layers_is_refused_naming_the_fix(ranks) -> None:
+def test_megatrons_runner_and_te_pageds_runner_together_are_refused(ranks) -> None:
     for result in ranks:
         message = result["refusals"]["megatron_runner"]
-        assert message is not None, "Megatron's PagedStashRunner was built around te_paged"
-        assert "MegatronPagedStashRunner(model, optimizer)" in message
-        assert "would not see te_paged's over-budget and stash-overflow flags" in message
+        assert message is not None, "Megatron's runner was built beside te_paged's runner"
+        assert "one runner per step" in message and "drop MegatronPagedStashRunner" in message
+
+
+def test_megatrons_own_runner_drives_te_pageds_layers_bitwise(ranks) -> None:
+    """What Megatron-LM's pretrain() builds, in a step of our own: te_paged's layers serve the
+    seams Megatron's PagedStashRunner calls, te_paged stashes, Megatron's manager does nothing."""
+    for rank, result in enumerate(ranks):
+        case = result["megatron_runner"]["parity"]
+        assert case["equal"] == [True] * STEPS, (rank, case)  # ON == OFF, both under it
+        assert case["equal_te_paged_runner"] == [True] * STEPS, (rank, case)
+        assert case["attempt"] == [1] * STEPS, case
+        assert all(stashes == pops > 0 for stashes, pops in case["stashes_pops"]), case
+        counts = case["megatron_counts"]  # its hooks ran; its manager held nothing
+        assert counts["reset"] == STEPS and counts["chunk"] == 2 * STEPS, counts
+        assert counts["buffers"] == counts["saved"] == counts["group"] == 0, counts
+
+
+def test_under_megatrons_runner_reruns_are_bitwise_with_dropout(ranks) -> None:
+    for rank, result in enumerate(ranks):
+        case = result["megatron_runner"]
+        over = case["over_budget"]
+        assert over["attempt"] == [2] * STEPS and over["reference_attempt"] == [1] * STEPS, over
+        assert all(n >= 1 for n in over["overbudget_ranks"]), over
+        assert over["equal"] == [True] * STEPS, (rank, over)
+        overflow = case["overflow"]  # a 0.3x pool, grow_pool off: every paged step overflows
+        assert overflow["attempt"] == [1, 2, 2], overflow
+        assert overflow["stash_overflow_ranks"][1:] == [4, 4], overflow
+        assert overflow["equal"] == [True] * STEPS, (rank, overflow)
+
+
+def test_under_megatrons_runner_the_rng_restore_is_what_makes_the_rerun_exact(ranks) -> None:
+    for result in ranks:
+        case = result["megatron_runner"]["mutation_rng"]
+        assert case["attempt"] == [2] * STEPS, case
+        assert case["equal"] == [False] * STEPS, case
+
+
+def test_under_megatrons_runner_evaluations_stash_nothing_and_are_not_fallbacks(ranks) -> None:
+    for rank, result in enumerate(ranks):
+        case = result["megatron_runner"]["eval"]
+        assert case["error"] is None, case
+        # [attempt, adapter's training fallbacks]: every training step reruns (skewed routing)
+        assert case["train"] == [[2, 1], [2, 2], [2, 3]], (rank, case)
+        for attempt, enabled, stashes, fallbacks, losses in case["eval"]:
+            assert attempt == 2 and not enabled and stashes == 0, case  # rerun, nothing stashed
+            assert fallbacks == 2 and losses == 2, case  # not counted; four in a row allowed
 
 
 def test_te_paged_runner_around_megatrons_fused_stashing_experts_is_refused(ranks) -> None:

@@ -530,10 +530,32 @@ class PagedStashRunner:
             self.module_state.learn(state.modules)
         with nvtx_range("te_paged.reduce"):
             flag_ranks, per_rank = self._reduce()
+        record = self._record(flag_ranks, per_rank, forward_only)
+        if capturing and self.grow_pool and not forward_only:
+            self._grow_after_capture(record)
+        if record.will_retry:
+            self._before_fallback(record, flag_ranks, per_rank, forward_only)
+            result = self._fallback(step_fn, state, record, per_rank)
+        elif not forward_only:
+            self.consecutive_fallbacks = 0
+            if self.grow_pool and record.enabled and not capturing:
+                self._grow_ahead(record, per_rank)
+            if record.host_spill_ranks:
+                self._log(logging.INFO, self._spill_message(record, flag_ranks[2], len(per_rank)))
+        if self.record_routing:
+            self._gather_routing()
+        self.step_index += 1
+        self.records.append(record)
+        if self.on_record is not None:
+            self.on_record(record)
+        return result, record
+
+    def _record(
+        self, flag_ranks: list[list[int]], per_rank: list[_RankStats], forward_only: bool
+    ) -> StepRecord:
+        """The step's :class:`StepRecord` from the reduced flags and figures (attempt 1)."""
         overflow, overbudget, spill = (len(ranks) for ranks in flag_ranks)
         budget, balanced = self._budget()
-        peak_tokens = max((r.peak_tokens for r in per_rank), default=0)
-        peak_pair = max((r.peak_pair_tokens for r in per_rank), default=0)
         hwm: dict[str, int] = {}
         demand: dict[str, int] = {}
         for r in per_rank:  # every key any rank holds: max over the ranks with it
@@ -546,7 +568,7 @@ class PagedStashRunner:
                 mine = stages.setdefault(str(r.stage), {})
                 for k, figures in r.pools.items():
                     mine[str(k)] = max(mine.get(str(k), 0), figures.high_water)
-        record = StepRecord(
+        return StepRecord(
             step=self.step_index,
             attempt=1,
             enabled=self._stash_enabled() and not forward_only,
@@ -557,54 +579,51 @@ class PagedStashRunner:
             pool_high_water_pages=hwm,
             pool_pages=self._pool_pages(),
             stage_pool_high_water_pages=stages,
-            peak_tokens=peak_tokens,
+            peak_tokens=max((r.peak_tokens for r in per_rank), default=0),
             budget_tokens=budget,
             balanced_tokens=balanced,
             pool_demand_pages=demand,
         )
-        if capturing and self.grow_pool and not forward_only:
-            # The capture step's observed peak is a need too: no pool starts below it.
-            needs = {k: m.capture_peaks(k)[1] for m in self.managers for k in m.keys}
-            self._grow(record, needs, "capture")
-        if record.will_retry:
-            self._suggest(record, peak_pair, per_rank)
-            if overflow and self.max_pool_bytes is not None and not forward_only:
-                self._check_pool_bound(record, per_rank)
-            if self.consecutive_fallbacks >= self.max_consecutive_fallbacks and not forward_only:
-                fits = [
-                    f"{name} to >= {value}"
-                    for name, value in (
-                        ("moe_expert_rank_capacity_factor", record.suggested_capacity_factor),
-                        (
-                            "moe_paged_stash_buffer_size_factor_cuda",
-                            record.suggested_buffer_size_factor_cuda,
-                        ),
-                    )
-                    if value is not None
-                ]
-                raise FallbackLimitError(  # the exception is the report: nothing logged
-                    f"{self.consecutive_fallbacks} consecutive steps needed the dropless "
-                    f"fallback (stash overflow on {overflow} rank(s), over budget on "
-                    f"{overbudget}): raise {' and '.join(fits) or 'the static budgets'}"
+
+    def _grow_after_capture(self, record: StepRecord) -> None:
+        """The capture step's observed peak is a need too: no pool starts below it."""
+        needs = {k: m.capture_peaks(k)[1] for m in self.managers for k in m.keys}
+        self._grow(record, needs, "capture")
+
+    def _before_fallback(
+        self,
+        record: StepRecord,
+        flag_ranks: list[list[int]],
+        per_rank: list[_RankStats],
+        forward_only: bool,
+    ) -> None:
+        """A step will rerun: the factors that would have fitted, the pool bound, the runaway
+        guard (training only), the count, and the warning, said before the rerun so that it is
+        seen even if the dropless rerun runs out of memory."""
+        self._suggest(record, max((r.peak_pair_tokens for r in per_rank), default=0), per_rank)
+        overflow, overbudget = record.stash_overflow_ranks, record.overbudget_ranks
+        if overflow and self.max_pool_bytes is not None and not forward_only:
+            self._check_pool_bound(record, per_rank)
+        if self.consecutive_fallbacks >= self.max_consecutive_fallbacks and not forward_only:
+            fits = [
+                f"{name} to >= {value}"
+                for name, value in (
+                    ("moe_expert_rank_capacity_factor", record.suggested_capacity_factor),
+                    (
+                        "moe_paged_stash_buffer_size_factor_cuda",
+                        record.suggested_buffer_size_factor_cuda,
+                    ),
                 )
-            if not forward_only:
-                self.consecutive_fallbacks += 1
-            # Before the rerun: seen even if the dropless rerun runs out of memory.
-            self._log(logging.WARNING, self._fallback_message(record, flag_ranks, len(per_rank)))
-            result = self._fallback(step_fn, state, record, per_rank)
-        elif not forward_only:
-            self.consecutive_fallbacks = 0
-            if self.grow_pool and record.enabled and not capturing:
-                self._grow_ahead(record, per_rank)
-            if spill:
-                self._log(logging.INFO, self._spill_message(record, flag_ranks[2], len(per_rank)))
-        if self.record_routing:
-            self._gather_routing()
-        self.step_index += 1
-        self.records.append(record)
-        if self.on_record is not None:
-            self.on_record(record)
-        return result, record
+                if value is not None
+            ]
+            raise FallbackLimitError(  # the exception is the report: nothing logged
+                f"{self.consecutive_fallbacks} consecutive steps needed the dropless "
+                f"fallback (stash overflow on {overflow} rank(s), over budget on "
+                f"{overbudget}): raise {' and '.join(fits) or 'the static budgets'}"
+            )
+        if not forward_only:
+            self.consecutive_fallbacks += 1
+        self._log(logging.WARNING, self._fallback_message(record, flag_ranks, len(per_rank)))
 
     # ------------------------------------------------------------------------------ logging
 
@@ -769,6 +788,22 @@ class PagedStashRunner:
         self, step_fn: Callable[[], Any], state: StepState, record: StepRecord,
         per_rank: list[_RankStats],
     ) -> Any:  # fmt: skip
+        self._prepare_rerun(state, record, per_rank)
+        with contextlib.ExitStack() as fallback:
+            self._enter_fallback(fallback)
+            if self.before_rerun is not None:
+                self.before_rerun()
+            result, peak, method = self._measured(step_fn)
+        record.attempt = 2
+        record.enabled = False
+        record.fallback_peak_bytes, record.fallback_memory_method = peak, method
+        return result
+
+    def _prepare_rerun(
+        self, state: StepState, record: StepRecord, per_rank: list[_RankStats]
+    ) -> None:
+        """Before a rerun: the snapshot restored, the gradients zeroed, the pools grown (after
+        an overflow) and freed."""
         self._unrestored = []
         self.restore_state(state)
         record.unrestored_state = list(self._unrestored)
@@ -787,18 +822,14 @@ class PagedStashRunner:
         for manager in self.managers:
             manager.release()  # the pool and the dropless rerun never coexist
         self._route_calls.clear()  # the rerun routes the same tokens again: count them once
-        with contextlib.ExitStack() as fallback:
-            for manager in self.managers:
-                fallback.enter_context(manager.disabled())
-            for d in self.dispatchers:
-                fallback.enter_context(d.dropless_block())
-            if self.before_rerun is not None:
-                self.before_rerun()
-            result, peak, method = self._measured(step_fn)
-        record.attempt = 2
-        record.enabled = False
-        record.fallback_peak_bytes, record.fallback_memory_method = peak, method
-        return result
+
+    def _enter_fallback(self, stack: contextlib.ExitStack) -> None:
+        """The rerun's switches, each its owner's: every manager off, every dispatcher
+        dropless, until ``stack`` closes."""
+        for manager in self.managers:
+            stack.enter_context(manager.disabled())
+        for d in self.dispatchers:
+            stack.enter_context(d.dropless_block())
 
     # ------------------------------------------------------------------------------ routing
 

@@ -378,6 +378,13 @@ class PagedStashManager:
             peak.live_rows = peak.live_pages = 0
             peak.live_balanced = peak.live_balanced_pages = peak.live_static_pages = 0
 
+    def clear_flags(self) -> None:
+        """Zero the flags in place, keeping the pools and pages (allocation-free, sync-free):
+        for a driver that reads the flags again after a rerun, e.g. Megatron's runner."""
+        self.join_side_streams()
+        self._streams.note("clear_flags", writes=["flags"])
+        self.flags.zero_()
+
     def invalid_counts(self) -> list[tuple[int | None, int, int]]:
         """``(layer, num_tokens, max_num_tokens)`` of each scope of this step whose token count
         its static buffer cannot hold (negative, or more than ``max_num_tokens``): where an

@@ -108,9 +108,19 @@ class MegatronModelConfig(ModelConfig):
     per_rank_pools: bool = False  # the runner's per_rank_pools (tests: one rank's own pool)
     measure_memory: bool = True  # the peak of every step (torch's trackers; slow on CPU)
     steps: int = 3
+    #: Which runner drives the step: "te_paged" (MegatronPagedStashRunner, the user-written
+    #: step) or "megatron" (Megatron's own PagedStashRunner, as Megatron-LM's pretrain() builds
+    #: it; megatron-core 0.19.2), which te_paged's layers serve through MegatronLoopAdapter.
+    runner: str = "te_paged"
 
     def __post_init__(self) -> None:
         self.tokens = self.seq_length * self.micro_batch_size  # per rank and microbatch
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
+
+
+#: The runners a Megatron step can be driven by (:attr:`MegatronModelConfig.runner`).
+RUNNERS = ("te_paged", "megatron")
 
 
 @dataclasses.dataclass
@@ -250,6 +260,7 @@ def _build(cfg: MegatronModelConfig, paged: bool, ep: int, device: torch.device,
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from te_paged.integrations.megatron import (
+        MegatronLoopAdapter,
         MegatronPagedStashRunner,
         PagedStashMoELayer,
         get_te_paged_moe_spec,
@@ -263,7 +274,10 @@ def _build(cfg: MegatronModelConfig, paged: bool, ep: int, device: torch.device,
     tcfg = _transformer_config(cfg, ep, native)
     # The MLP spec is replaced below: ask for the plain one (no deprecation notice).
     spec = get_gpt_layer_local_spec(num_experts=cfg.experts, moe_grouped_gemm=False)
-    spec.submodules.mlp = get_te_paged_moe_spec(tcfg, device=device, **overrides)
+    loop = MegatronLoopAdapter(
+        max_consecutive_fallbacks=cfg.max_consecutive_fallbacks, grow_pool=cfg.grow_pool
+    )
+    spec.submodules.mlp = get_te_paged_moe_spec(tcfg, device=device, loop=loop, **overrides)
     chunks = []
     for vp_stage in range(cfg.virtual_stages or 1):  # one model chunk per virtual stage
         vp = None if cfg.virtual_stages is None else vp_stage
@@ -295,6 +309,13 @@ def _build(cfg: MegatronModelConfig, paged: bool, ep: int, device: torch.device,
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.01, clip_grad=1.0), ddp
     )
+    if cfg.runner == "megatron":  # as Megatron-LM's train() builds it
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.transformer.moe.paged_stash import PagedStashRunner
+
+        return ddp, optimizer, _MegatronsRunner(
+            PagedStashRunner(tcfg, False, ddp, optimizer, get_forward_backward_func()), loop, ddp
+        )
     runner = MegatronPagedStashRunner(
         ddp,
         optimizer,
@@ -303,6 +324,27 @@ def _build(cfg: MegatronModelConfig, paged: bool, ep: int, device: torch.device,
         per_rank_pools=cfg.per_rank_pools,
     )
     return ddp, optimizer, runner
+
+
+class _MegatronsRunner:
+    """Megatron's own ``PagedStashRunner`` with te_paged's call shape: ``runner(**kwargs) ->
+    (result, the adapter's StepRecord)``, ``managers`` and ``before_rerun`` (unused: the
+    memory meter's re-entry is te_paged's runner's hook)."""
+
+    def __init__(self, megatron_runner: Callable[..., object], loop: object, ddp: list) -> None:
+        from te_paged.integrations.megatron import paged_stash_managers
+
+        self.megatron_runner, self.loop = megatron_runner, loop
+        self.managers = paged_stash_managers(ddp)
+        self.before_rerun = None
+        #: Per step, the managers' statistics as the step left them: the adapter resets them
+        #: when Megatron's runner keeps the step, after its ``on_record``.
+        self.stats: list[list] = []
+        loop.on_record = lambda record: self.stats.append([m.stats() for m in self.managers])
+
+    def __call__(self, *, iteration: int | None = None, **kwargs: object):
+        result = self.megatron_runner(**kwargs)
+        return result, self.loop.records[-1]
 
 
 @contextlib.contextmanager
@@ -382,8 +424,9 @@ def train(
         optimizer.zero_grad()
         for chunk in ddp:
             chunk.zero_grad_buffer()
-        for manager in runner.managers:
-            manager.reset()  # allocates the pool after the capture step: outside the meter
+        if cfg.runner == "te_paged":  # Megatron's runner: te_paged's adapter resets after a step
+            for manager in runner.managers:
+                manager.reset()  # allocates the pool after the capture step: outside the meter
         capture = capturing(runner.managers)
         with StepMeter(device, step, capture, cfg.measure_memory) as meter:
             runner.before_rerun = meter.new_iteration
@@ -408,9 +451,11 @@ def train(
         )
         # Only the last pipeline stage computes the loss; the others report NaN (null in JSON).
         loss = torch.stack([x["lm loss"] for x in losses]).mean() if losses else torch.nan
-        run.steps.append(
-            step_result(loss, grad_norm, record, meter.peak_bytes, capture, runner.managers)
-        )
+        result = step_result(loss, grad_norm, record, meter.peak_bytes, capture, runner.managers)
+        if isinstance(runner, _MegatronsRunner):  # the managers were reset after the step
+            stats = runner.stats[-1]
+            result.stashes, result.pops = sum(s.stashes for s in stats), sum(s.pops for s in stats)
+        run.steps.append(result)
         run.memory_method = meter.method or run.memory_method
         run.pool_bytes.append(run.steps[-1].pool_bytes)
         run.s_bytes.append(run.steps[-1].s_bytes)

@@ -17,6 +17,8 @@ module             what
 ``dispatcher``     :class:`StaticBudgetTokenDispatcher`: Megatron's token-dispatcher
                    interface on te_paged's static budget (HybridEP's budget rule)
 ``runner``         :class:`MegatronPagedStashRunner`: around ``forward_backward_func``
+``loop``           :class:`MegatronLoopAdapter`: te_paged's side of Megatron's own
+                   ``PagedStashRunner`` (Megatron-LM's ``pretrain()``)
 ``linears``        :class:`MegatronGroupedLinear` for Megatron's own ``TEGroupedMLP``
 ``state_dict``     Megatron expert checkpoints ↔ te_paged modules
 ``dist_ckpt``      Megatron ``dist_checkpointing`` layout of te_paged's experts and linears
@@ -57,6 +59,7 @@ from te_paged.integrations.megatron.linears import (
     MegatronGroupedLinear,
     get_te_paged_linear_moe_spec,
 )
+from te_paged.integrations.megatron.loop import MegatronLoopAdapter
 from te_paged.integrations.megatron.runner import MegatronPagedStashRunner
 from te_paged.integrations.megatron.state_dict import (
     grouped_to_sequential_state_dict,
@@ -68,6 +71,7 @@ from te_paged.integrations.megatron.state_dict import (
 
 __all__ = [
     "MegatronGroupedLinear",
+    "MegatronLoopAdapter",
     "MegatronPagedStashRunner",
     "MegatronTEGroupedMLP",
     "PagedStashMoELayer",

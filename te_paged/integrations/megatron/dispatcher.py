@@ -41,12 +41,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from te_paged.config import MoEConfig
 from te_paged.moe import DispatchHandle, StaticBudgetDispatcher
+
+if TYPE_CHECKING:
+    from te_paged.integrations.megatron.loop import MegatronLoopAdapter
 
 __all__ = ["StaticBudgetTokenDispatcher", "hybrid_ep_rank_budget", "topk_from_routing_map"]
 
@@ -92,6 +96,24 @@ def topk_from_routing_map(
     return probs_NK, indices_NK.masked_fill(~routed_NK, -1)
 
 
+class _CapacityFactorSeam:
+    """``token_dispatcher._comm_manager`` for Megatron's runner: the capacity factor it clears
+    before a rerun (``None``) and sets back to the config's after a kept attempt."""
+
+    def __init__(self, loop: MegatronLoopAdapter, dispatcher: StaticBudgetTokenDispatcher):
+        self._loop, self._dispatcher = loop, dispatcher
+
+    @property
+    def moe_expert_rank_capacity_factor(self) -> float | None:
+        """``None`` while the dispatcher is dropless (the rerun), else the static budget's."""
+        d = self._dispatcher
+        return None if d.dropless else d.config.moe_expert_rank_capacity_factor
+
+    @moe_expert_rank_capacity_factor.setter
+    def moe_expert_rank_capacity_factor(self, value: float | None) -> None:
+        self._loop.set_capacity_factor(value)
+
+
 class StaticBudgetTokenDispatcher:
     """Megatron's token-dispatcher interface over :class:`StaticBudgetDispatcher`.
 
@@ -110,6 +132,7 @@ class StaticBudgetTokenDispatcher:
         *,
         align: int,
         device: torch.device | str | None = None,
+        loop: MegatronLoopAdapter | None = None,
     ) -> None:
         if config.moe_expert_rank_capacity_factor is None:
             raise ValueError(
@@ -122,6 +145,8 @@ class StaticBudgetTokenDispatcher:
             config, ep_group if ep_size > 1 else None, device=device, rank_budget=budget
         )
         self.config = config
+        #: te_paged's side of Megatron's own PagedStashRunner (None: that runner is refused).
+        self.loop = loop
         # Megatron's CUDA-graph bookkeeping reads these from every dispatcher.
         self.cudagraph_attrs: list[str] = []
         self.valid_cudagraph_attrs = None
@@ -134,25 +159,42 @@ class StaticBudgetTokenDispatcher:
         should write into (NCCL EP's zero-copy); this one exchanges through its own."""
         return None, None
 
+    # ------------------------------------------------- the seams Megatron's own runner calls
+
+    def _megatron_loop(self) -> MegatronLoopAdapter:
+        if self.loop is None:
+            raise TypeError(
+                "this StaticBudgetTokenDispatcher was built without a MegatronLoopAdapter, so "
+                "Megatron's PagedStashRunner would not see te_paged's over-budget and "
+                "stash-overflow flags: build the layers with get_te_paged_moe_spec(config) "
+                "(PagedStashMoELayer gives its dispatcher one), or drive the step with "
+                "te_paged.integrations.megatron.MegatronPagedStashRunner(model, optimizer)"
+            )
+        return self.loop
+
     @property
     def check_over_budget(self) -> Callable[[], torch.Tensor]:
-        """Refuses Megatron's own ``PagedStashRunner`` (megatron-core 0.19.2).
+        """Megatron's ``PagedStashRunner`` (megatron-core 0.19.2) finds the layers it reruns by
+        ``hasattr(token_dispatcher, "check_over_budget")`` and calls it after each attempt:
+        here every te_paged flag of the rank (over budget, stash overflow, invalid counts) as
+        one device bool, reported through the layers' :class:`MegatronLoopAdapter`. A
+        ``TypeError`` (which ``hasattr`` passes on) refuses that runner where it could not
+        see them: no adapter, or te_paged's own runner already driving the layers."""
+        loop = self._megatron_loop()
+        loop.probe()
+        return loop.check
 
-        That runner finds the layers it reruns by ``hasattr(token_dispatcher,
-        "check_over_budget")``, and clears their flags and budget through
-        ``token_dispatcher._comm_manager`` — HybridEP's internals, which this dispatcher has
-        not. Around te_paged's layers it would see no over-budget flag and no te_paged stash
-        overflow, and keep a step that dropped tokens. Looking this attribute up (``hasattr``
-        included) therefore raises, at that runner's construction.
-        """
-        raise TypeError(
-            "Megatron's PagedStashRunner cannot drive te_paged's static-budget dispatcher: it "
-            "would not see te_paged's over-budget and stash-overflow flags, nor rerun the step. "
-            "Use te_paged.integrations.megatron.MegatronPagedStashRunner(model, optimizer) in "
-            "its place (docs/megatron.md); with Megatron-LM's training loop, which builds "
-            "Megatron's runner whenever moe_expert_rank_capacity_factor is set, call the "
-            "te_paged runner from your own training step"
-        )
+    def reset_over_budget(self) -> None:
+        """Megatron's runner before its dropless rerun: te_paged's adapter prepares it
+        (restores the step's state, frees the pools, turns its stash off)."""
+        self._megatron_loop().prepare_rerun()
+
+    @property
+    def _comm_manager(self) -> _CapacityFactorSeam:
+        """What Megatron's runner reaches as ``token_dispatcher._comm_manager`` (HybridEP's
+        and NCCL EP's managers there): its ``moe_expert_rank_capacity_factor``, cleared for the
+        rerun and set back after a kept attempt, is the adapter's dropless switch."""
+        return _CapacityFactorSeam(self._megatron_loop(), self)
 
     def set_shared_experts(self, shared_experts: object) -> None:
         raise ValueError(

@@ -4,7 +4,7 @@ spec builders. Importing this module does not import Megatron; the spec builders
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -21,6 +21,9 @@ from te_paged.integrations.megatron.dist_ckpt import (
 )
 from te_paged.moe import TEGroupedMLP, find_participants
 from te_paged.stash import PagedStashManager
+
+if TYPE_CHECKING:
+    from te_paged.integrations.megatron.loop import MegatronLoopAdapter
 
 __all__ = [
     "MegatronTEGroupedMLP",
@@ -131,6 +134,7 @@ def get_te_paged_moe_spec(
     manager: PagedStashManager | None = None,
     device: torch.device | str | None = None,
     shared_experts: object = None,
+    loop: MegatronLoopAdapter | None = None,
     **overrides: object,
 ) -> Any:
     """``ModuleSpec(<MoE layer>, MoESubmodules(experts=<te_paged experts>))``.
@@ -146,20 +150,35 @@ def get_te_paged_moe_spec(
 
     Use it where a Megatron layer spec asks for the MoE module (``mlp=...``), or build one
     layer with ``build_module(spec, config=config)``. ``shared_experts`` is passed to
-    ``MoESubmodules`` as is. See :func:`get_te_paged_experts_spec` for the other arguments.
+    ``MoESubmodules`` as is. ``loop`` (static budget only) is the
+    :class:`~te_paged.integrations.megatron.MegatronLoopAdapter` the layers report to when
+    Megatron-LM's own training loop drives them (``pretrain()``: Megatron's
+    ``PagedStashRunner``); default, one made here for the layers of this spec. Give one to set
+    its options or read its records, and the same one to every model chunk's spec. See
+    :func:`get_te_paged_experts_spec` for the other arguments.
     """
     mc = import_megatron()
     experts = get_te_paged_experts_spec(config, manager=manager, device=device, **overrides)
     submodules = mc.MoESubmodules(experts=experts, shared_experts=shared_experts)
     module, params = mc.MoELayer, {}
     if megatron_moe_config(config, **overrides).moe_expert_rank_capacity_factor is not None:
+        from te_paged.integrations.megatron.loop import MegatronLoopAdapter
         from te_paged.integrations.megatron.moe_layer import (
             PagedStashMoELayer,
             check_static_budget_config,
         )
 
         check_static_budget_config(config)  # now, not at the first build
-        module, params = PagedStashMoELayer, {"overrides": dict(overrides)}
+        if loop is None:
+            loop = MegatronLoopAdapter()
+        elif not isinstance(loop, MegatronLoopAdapter):
+            raise TypeError(f"loop must be a MegatronLoopAdapter, got {type(loop).__name__}")
+        module, params = PagedStashMoELayer, {"overrides": dict(overrides), "loop": loop}
+    elif loop is not None:
+        raise ValueError(
+            "loop= was given but the config has no moe_expert_rank_capacity_factor: Megatron's "
+            "own MoELayer and dispatcher are built, and Megatron's PagedStashRunner is not used"
+        )
     return mc.ModuleSpec(
         module=module,
         params=params,

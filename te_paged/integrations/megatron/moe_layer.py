@@ -25,6 +25,7 @@ from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantizat
 
 from te_paged.integrations.megatron.common import compute_device, group_size, megatron_moe_config
 from te_paged.integrations.megatron.dispatcher import StaticBudgetTokenDispatcher
+from te_paged.integrations.megatron.loop import MegatronLoopAdapter
 from te_paged.moe import PagedStashParticipant, StaticBudgetDispatcher
 from te_paged.stash import PagedStashManager
 
@@ -80,6 +81,7 @@ class PagedStashMoELayer(MoELayer, PagedStashParticipant):
         pg_collection: object = None,
         *,
         overrides: Mapping[str, object] | None = None,
+        loop: MegatronLoopAdapter | None = None,
         **megatron_kwargs: object,
     ) -> None:
         build_config = config
@@ -90,14 +92,29 @@ class PagedStashMoELayer(MoELayer, PagedStashParticipant):
         self.config = config
         check_static_budget_config(config, group_size(self.tp_group))
         cfg = megatron_moe_config(config, **dict(overrides or {}))
+        #: te_paged's side of Megatron's own PagedStashRunner (Megatron-LM's training loop).
+        self.loop = loop if loop is not None else MegatronLoopAdapter()
         self.token_dispatcher = StaticBudgetTokenDispatcher(
             cfg,
             self.ep_group,
             align=get_align_size_for_quantization(config),
             device=compute_device(),
+            loop=self.loop,
         )
+        self.loop.register(self)
         if layer_number is not None:
             self._number_experts(layer_number)
+
+    def forward(self, *args: object, **kwargs: object) -> object:
+        # Before the router: the adapter snapshots the layers' state (the routers' buffers,
+        # the aux-loss tracker) at the first MoE forward of a step, when Megatron's runner
+        # drives it. Host-side bookkeeping only.
+        self.loop.on_forward(self.training and torch.is_grad_enabled())
+        return super().forward(*args, **kwargs)
+
+    def attach_runner(self, runner: object) -> None:
+        """The runner protocol: a te_paged runner drives this layer, not Megatron's."""
+        self.loop.note_runner(runner)
 
     def set_layer_number(self, layer_number: int) -> None:
         """Megatron's hook (``TransformerLayer`` calls it): also numbers te_paged's experts,

@@ -202,11 +202,12 @@ def test_the_fields_stay_overrides_on_a_release_without_them(monkeypatch) -> Non
     assert (native, overrides) == ({}, {"moe_paged_stash": True})
 
 
-def test_megatrons_runner_cannot_be_built_around_te_pageds_dispatcher() -> None:
+def test_megatrons_runner_is_refused_by_a_dispatcher_without_a_loop_adapter() -> None:
     cfg = megatron_moe_config(_config(), moe_expert_rank_capacity_factor=2.0)
     dispatcher = StaticBudgetTokenDispatcher(cfg, None, align=0, device="cpu")
-    # Megatron's PagedStashRunner finds its layers with exactly this lookup.
-    with pytest.raises(TypeError, match=r"Use te_paged\.integrations\.megatron\."
+    # Megatron's PagedStashRunner finds its layers with exactly this lookup; a dispatcher built
+    # alone (not by PagedStashMoELayer) has no adapter to report its flags to.
+    with pytest.raises(TypeError, match=r"built without a MegatronLoopAdapter.*"
                        r"MegatronPagedStashRunner\(model, optimizer\)"):  # fmt: skip
         hasattr(dispatcher, "check_over_budget")
     assert dispatcher.get_expert_zero_copy_buffers() == (None, None)

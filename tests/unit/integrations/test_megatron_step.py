@@ -102,7 +102,16 @@ def test_spec_builder_picks_the_static_budget_layer_for_a_capacity_factor() -> N
     assert tpm.get_te_paged_moe_spec(cfg).module is MoELayer
     spec = tpm.get_te_paged_moe_spec(cfg, moe_expert_rank_capacity_factor=2.0)
     assert spec.module is tpm.PagedStashMoELayer and issubclass(spec.module, MoELayer)
+    loop = spec.params.pop("loop")  # one adapter for the layers of this spec
+    assert isinstance(loop, tpm.MegatronLoopAdapter) and loop.layers == []
     assert spec.params == {"overrides": {"moe_expert_rank_capacity_factor": 2.0}}
+    given = tpm.MegatronLoopAdapter(grow_pool=False)
+    spec = tpm.get_te_paged_moe_spec(cfg, moe_expert_rank_capacity_factor=2.0, loop=given)
+    assert spec.params["loop"] is given
+    with pytest.raises(ValueError, match="no moe_expert_rank_capacity_factor"):
+        tpm.get_te_paged_moe_spec(cfg, loop=given)  # Megatron's own layer: no adapter
+    with pytest.raises(TypeError, match="MegatronLoopAdapter"):
+        tpm.get_te_paged_moe_spec(cfg, moe_expert_rank_capacity_factor=2.0, loop=object())
 
 
 @pytest.mark.parametrize(
