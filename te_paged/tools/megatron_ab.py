@@ -313,8 +313,14 @@ def _build(cfg: MegatronModelConfig, paged: bool, ep: int, device: torch.device,
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.transformer.moe.paged_stash import PagedStashRunner
 
-        return ddp, optimizer, _MegatronsRunner(
-            PagedStashRunner(tcfg, False, ddp, optimizer, get_forward_backward_func()), loop, ddp
+        return (
+            ddp,
+            optimizer,
+            _MegatronsRunner(
+                PagedStashRunner(tcfg, False, ddp, optimizer, get_forward_backward_func()),
+                loop,
+                ddp,
+            ),
         )
     runner = MegatronPagedStashRunner(
         ddp,
