@@ -19,6 +19,9 @@ module             what
 ``runner``         :class:`MegatronPagedStashRunner`: around ``forward_backward_func``
 ``loop``           :class:`MegatronLoopAdapter`: te_paged's side of Megatron's own
                    ``PagedStashRunner`` (Megatron-LM's ``pretrain()``)
+``specs``          whole-model specs: :func:`with_te_paged_moe` (every MoE layer of a layer,
+                   block or hybrid-stack spec), :func:`gpt_layer_spec` (Megatron-LM's
+                   ``--spec te_paged.integrations.megatron gpt_layer_spec``)
 ``linears``        :class:`MegatronGroupedLinear` for Megatron's own ``TEGroupedMLP``
 ``state_dict``     Megatron expert checkpoints ↔ te_paged modules
 ``dist_ckpt``      Megatron ``dist_checkpointing`` layout of te_paged's experts and linears
@@ -61,6 +64,7 @@ from te_paged.integrations.megatron.linears import (
 )
 from te_paged.integrations.megatron.loop import MegatronLoopAdapter
 from te_paged.integrations.megatron.runner import MegatronPagedStashRunner
+from te_paged.integrations.megatron.specs import gpt_layer_spec, with_te_paged_moe
 from te_paged.integrations.megatron.state_dict import (
     grouped_to_sequential_state_dict,
     load_megatron_expert_state_dict,
@@ -79,6 +83,7 @@ __all__ = [
     "get_te_paged_experts_spec",
     "get_te_paged_linear_moe_spec",
     "get_te_paged_moe_spec",
+    "gpt_layer_spec",
     "grouped_to_sequential_state_dict",
     "load_megatron_expert_state_dict",
     "megatron_moe_config",
@@ -86,6 +91,7 @@ __all__ = [
     "sequential_to_grouped_state_dict",
     "to_megatron_grouped_state_dict",
     "to_megatron_sequential_state_dict",
+    "with_te_paged_moe",
 ]
 
 

@@ -76,7 +76,12 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from te_paged.integrations.megatron.releases import SUPPORTED, install_line, installed_release
+from te_paged.integrations.megatron.releases import (
+    RELEASES,
+    SUPPORTED,
+    install_line,
+    installed_release,
+)
 
 __all__ = ["INSTALL_HINT", "SHIMS", "install", "installed", "installed_shims"]
 
@@ -85,7 +90,7 @@ INSTALL_HINT = (
     f"next to the pinned CPU torch with `{install_line()}` (scripts/test.sh installs both)"
 )
 
-_state: dict[str, Any] = {"installed": False, "mode": None, "shims": ()}
+_state: dict[str, Any] = {"installed": False, "loop": False, "mode": None, "shims": ()}
 
 
 def installed() -> bool:
@@ -298,31 +303,52 @@ SHIMS: dict[str, Callable[[TorchFunctionMode], None]] = {
 }
 
 
-def install() -> None:
+def install(*, training_loop: bool = False) -> None:
     """Apply the installed release's shims (idempotent). Call once per process, before
-    building Megatron modules.
+    building Megatron modules. ``training_loop``: also those for Megatron-LM's training loop
+    (``megatron.training.pretrain()``, :mod:`~te_paged.integrations.megatron.cpu_loop_shims`),
+    before importing it; a later call may add them.
 
     Raises ``RuntimeError`` when CUDA is available (the shims would hide real CUDA calls), when
-    the installed megatron-core is not a supported release (naming the supported ones), or
-    when an attribute a shim replaces is missing from it.
+    the installed megatron-core is not a supported release (naming the supported ones), when
+    ``training_loop`` is asked of a release without those shims, or when an attribute a shim
+    replaces is missing from it.
     """
-    if _state["installed"]:
-        return
     if torch.cuda.is_available():
         raise RuntimeError(
             "te_paged's Megatron CPU shims are for machines without CUDA; on a GPU machine "
             "run Megatron as it is (do not call cpu_shims.install())"
         )
     release = installed_release()
-    for name in release.cpu_shims:
-        for owner, attr in _owners(name):
-            if not hasattr(owner, attr):
-                raise RuntimeError(
-                    f"{owner.__name__}.{attr} is missing: the CPU shim {name!r} no longer "
-                    f"matches megatron-core {release.version}"
-                )
-    mode = _CudaAllocationsOnCpu()
-    for name in SHIMS:  # the table's order: the mode is entered after the plain patches
-        if name in release.cpu_shims:
-            SHIMS[name](mode)
-    _state.update(installed=True, mode=mode, shims=release.cpu_shims)
+    if not _state["installed"]:
+        for name in release.cpu_shims:
+            _check_owners(name, _owners(name), release.version)
+        mode = _CudaAllocationsOnCpu()
+        for name in SHIMS:  # the table's order: the mode is entered after the plain patches
+            if name in release.cpu_shims:
+                SHIMS[name](mode)
+        _state.update(installed=True, mode=mode, shims=release.cpu_shims)
+    if training_loop and not _state["loop"]:
+        if not release.cpu_loop_shims:
+            raise RuntimeError(
+                f"te_paged runs Megatron-LM's training loop on CPU with megatron-core "
+                f"{', '.join(v for v, r in RELEASES.items() if r.cpu_loop_shims)} only; "
+                f"{release.version} is installed"
+            )
+        from te_paged.integrations.megatron import cpu_loop_shims
+
+        for name in release.cpu_loop_shims:  # each checked once the ones before it ran
+            cpu_loop_shims.LOOP_SHIMS[name]()
+            _check_owners(name, cpu_loop_shims.owners(name), release.version)
+        _state.update(loop=True, shims=(*_state["shims"], *release.cpu_loop_shims))
+    if torch.cuda.is_available():  # no shim may change te_paged's own device choice
+        raise RuntimeError("a CPU shim made torch.cuda.is_available() true")
+
+
+def _check_owners(name: str, owners: list[tuple[Any, str]], version: str) -> None:
+    for owner, attr in owners:
+        if not hasattr(owner, attr):
+            raise RuntimeError(
+                f"{getattr(owner, '__name__', owner)}.{attr} is missing: the CPU shim {name!r} "
+                f"no longer matches megatron-core {version}"
+            )

@@ -22,6 +22,8 @@ CPU shims (:mod:`.cpu_shims`)              the 0.16.1 set          the same, plu
                                                                    global stash manager's
                                                                    CUDA stream, DDP's
                                                                    ``current_stream()``
+CPU shims for Megatron-LM's training loop  none (not supported)    :mod:`.cpu_loop_shims`
+(``pretrain()``)
 Imports without declaring it               nothing                 ``triton`` (its paged
                                                                    stash kernels, imported
                                                                    by the schedules): a
@@ -65,6 +67,9 @@ class MegatronRelease:
     #: The CPU shims :func:`~te_paged.integrations.megatron.cpu_shims.install` applies, by
     #: name (see that module's table).
     cpu_shims: tuple[str, ...]
+    #: The CPU shims ``install(training_loop=True)`` adds for Megatron-LM's training loop
+    #: (:mod:`~te_paged.integrations.megatron.cpu_loop_shims`); empty: not supported on CPU.
+    cpu_loop_shims: tuple[str, ...] = ()
     #: Python the release's wheel declares (``Requires-Python``); on an older interpreter its
     #: Python files still run (tests only, see docs/megatron.md).
     requires_python: str
@@ -101,6 +106,19 @@ RELEASES: dict[str, MegatronRelease] = {
             config_has_paged_stash_fields=True,
             builtin_paged_stash=True,
             cpu_shims=(*_CPU_SHIMS_0_16, "builtin_stash_manager", "current_stream"),
+            cpu_loop_shims=(
+                "typing_override",
+                "initialize_without_cuda",
+                "one_device_for_initialization",
+                "dataset_helpers",
+                "ddp_wrap_stream",
+                "distributed_optimizer_fresh_state",
+                "distributed_optimizer_load",
+                "distributed_optimizer_own_step",
+                "dataloader_generator",
+                "checkpoint_queue_fork",
+                "hybrid_final_norm",
+            ),
             requires_python=">=3.12",
             undeclared_imports=("triton",),
         ),

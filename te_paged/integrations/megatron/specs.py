@@ -1,0 +1,100 @@
+"""te_paged's MoE layer inside whole-model specs: Megatron's layer, block and hybrid-stack specs
+with every MoE MLP replaced, and the layer-spec function Megatron-LM's ``--spec`` takes.
+
+Megatron-LM's ``pretrain_gpt.py`` (megatron-core 0.19.2's training loop) builds the model from a
+``GPTModelConfig`` whose ``transformer_layer_spec`` may be a function of that config;
+``--spec <module> <name>`` names it. So the program users launch takes te_paged's layers with
+one flag and no code::
+
+    python pretrain_gpt.py ... --spec te_paged.integrations.megatron gpt_layer_spec \\
+        --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend ncclep \\
+        --moe-expert-rank-capacity-factor 2.0 --moe-paged-stash
+
+(0.19.2's ``TransformerConfig`` asks for a flex backend beside a rank capacity factor; te_paged's
+layer never builds that dispatcher.) A script of one's own (or a ``HybridModel``, whose
+``hybrid_stack_spec`` is a spec, not a function) uses :func:`with_te_paged_moe` on the spec it
+already builds. Importing this module does not import Megatron.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+from typing import Any
+
+from te_paged.integrations.megatron.experts import get_te_paged_moe_spec
+from te_paged.integrations.megatron.loop import MegatronLoopAdapter
+
+__all__ = ["gpt_layer_spec", "with_te_paged_moe"]
+
+
+def with_te_paged_moe(
+    spec: Any, config: object, *, loop: MegatronLoopAdapter | None = None, **kwargs: object
+) -> Any:
+    """A copy of ``spec`` (of a layer, a block's ``TransformerBlockSubmodules``, a ``HybridStack``:
+    anything Megatron builds, as ``ModuleSpec`` s or, as megatron-core 0.19.2 writes them,
+    ``functools.partial`` s of the module class) in which every MoE MLP — Megatron's
+    ``MoELayer`` — is te_paged's: :func:`get_te_paged_moe_spec` with ``config`` and ``kwargs``
+    (``manager``, ``device``, te_paged overrides), keeping the original's other submodules
+    (shared experts, router). All of them share one stash manager and one
+    :class:`MegatronLoopAdapter` (``loop``, default: a new one). ``ValueError`` when ``spec``
+    has no MoE layer."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if loop is None:
+        loop = MegatronLoopAdapter()
+    replaced: list[Any] = []
+
+    def is_moe(module: object) -> bool:
+        return isinstance(module, type) and issubclass(module, MoELayer)
+
+    def te_paged(submodules: Any) -> Any:
+        if replaced:  # every MoE layer stashes into the first one's manager
+            kwargs.setdefault("manager", replaced[0].submodules.experts.params["manager"])
+        shared = getattr(submodules, "shared_experts", None)
+        moe = get_te_paged_moe_spec(config, shared_experts=shared, loop=loop, **kwargs)
+        for field in dataclasses.fields(moe.submodules):  # the router, say
+            if field.name not in ("experts", "shared_experts") and hasattr(submodules, field.name):
+                setattr(moe.submodules, field.name, getattr(submodules, field.name))
+        replaced.append(moe)
+        return moe
+
+    def replace(node: Any) -> Any:
+        if isinstance(node, ModuleSpec):
+            if is_moe(node.module):
+                return te_paged(node.submodules)
+            node.submodules = replace(node.submodules)
+            return node
+        if isinstance(node, functools.partial):
+            if is_moe(node.func):
+                return te_paged(node.keywords.get("submodules"))
+            keywords = {k: replace(v) for k, v in node.keywords.items()}
+            return functools.partial(node.func, *node.args, **keywords)
+        if isinstance(node, (list, tuple)):
+            return type(node)(replace(n) for n in node)
+        if dataclasses.is_dataclass(node) and not isinstance(node, type):
+            for field in dataclasses.fields(node):
+                setattr(node, field.name, replace(getattr(node, field.name)))
+        return node
+
+    out = replace(copy.deepcopy(spec))
+    if not replaced:
+        raise ValueError(
+            "with_te_paged_moe: the spec has no MoE layer (Megatron's MoELayer) to replace: give "
+            "the spec of a model with num_moe_experts set"
+        )
+    return out
+
+
+def gpt_layer_spec(model_config: Any, vp_stage: int | None = None) -> Any:
+    """``GPTModelConfig.transformer_layer_spec`` for Megatron-LM's training loop (``--spec
+    te_paged.integrations.megatron gpt_layer_spec``): the spec Megatron would build for this
+    config (``megatron.training.models.gpt.default_layer_spec``: Transformer Engine or local
+    layers as ``--transformer-impl`` says, the MoE layer frequency) with te_paged's MoE layers.
+    Each call (one per virtual pipeline stage) makes its own stash manager and adapter."""
+    from megatron.training.models.gpt import default_layer_spec
+
+    spec = default_layer_spec(model_config, vp_stage)
+    return with_te_paged_moe(spec, model_config.transformer)
