@@ -85,9 +85,11 @@ def ab_launch(name: str, *args: str) -> Launch:
 AB_MEGATRON = ab_launch("ab megatron", "--engine", "megatron")
 AB_TORCHTITAN = ab_launch("ab torchtitan", "--engine", "torchtitan")
 _SMALL_MEGATRON = ["--hidden", "64", "--ffn", "128", "--seq-length", "32"]
+# Megatron's HybridModel under Megatron's own PagedStashRunner (as pretrain() drives it).
 AB_MEGATRON_RERUNS = ab_launch(
     "ab megatron reruns", "--engine", "megatron", "--nproc", "2", "--layers", "2", *_SMALL_MEGATRON,
     "--steps", "2", "--skew", "2", "--capacity-factor", "1.2",  # a budget the skewed steps overrun
+    "--model", "hybrid", "--runner", "megatron",
 )  # fmt: skip
 # PP 2 x EP 2 on 4 ranks, Megatron's 1F1B schedule, 4 microbatches: capture, then paged.
 AB_MEGATRON_PIPELINE = ab_launch(
@@ -428,7 +430,9 @@ def test_ab_engine_megatron_default_model_is_bitwise_and_saves_memory(launches) 
     assert "| step | loss ON | loss OFF |" in proc.stdout and "bitwise equal" in proc.stdout
     assert "Traceback" not in proc.stderr
     assert "Warning" not in proc.stderr, proc.stderr[-4000:]  # megatron-core's notes: quieted
-    assert proc.stdout.startswith("megatron-core 0.19.2\n")  # the release the ranks ran
+    # The release the ranks ran, the model and what drove the step.
+    first = "megatron-core 0.19.2: GPTModel, the step driven by te_paged's MegatronPagedStashRunner"
+    assert proc.stdout.startswith(first + "\n"), proc.stdout[:200]
     data = check_record(js)  # strict JSON, valid against the schema
     assert data["engine"] == "megatron" and data["world_size"] == 4
     assert data["megatron_core_version"] == "0.19.2"
@@ -470,7 +474,9 @@ def test_ab_engine_torchtitan_default_model_is_bitwise_and_saves_memory(launches
 def test_ab_engine_megatron_forced_reruns_stay_bitwise(launches) -> None:
     proc, js = launches.result(AB_MEGATRON_RERUNS)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "HybridModel, the step driven by Megatron's own PagedStashRunner" in proc.stdout
     data = check_record(js)  # strict JSON, valid against the schema
+    assert data["config"]["model"] == "hybrid" and data["config"]["runner"] == "megatron"
     on = data["ranks"][0]["on"]
     assert [s["attempt"] for s in on] == [2, 2] and all(s["overbudget_ranks"] for s in on)
     assert all(all(r["grads_equal"]) for r in data["ranks"])
@@ -501,6 +507,25 @@ def test_ab_engine_megatron_pipeline_prints_each_stage(launches) -> None:
     [
         (["--engine", "megatron", "--pipeline-parallel", "3"], "--pipeline-parallel 3 does not"),
         (["--engine", "megatron", "--virtual-stages", "2"], "--virtual-stages needs"),
+        (
+            [
+                "--engine",
+                "megatron",
+                "--model",
+                "hybrid",
+                "--pipeline-parallel",
+                "2",
+                "--virtual-stages",
+                "2",
+                "--layers",
+                "4",
+                "--microbatches",
+                "2",
+            ],
+            "HybridModel has no virtual pipeline stages",
+        ),
+        (["--model", "hybrid"], "--model: only with --engine megatron"),
+        (["--engine", "torchtitan", "--runner", "megatron"], "--runner: not available"),
         (
             ["--engine", "megatron", "--pipeline-parallel", "2", "--layers", "3"],
             "--layers 3 does not split evenly over 2 stage(s)",

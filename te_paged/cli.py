@@ -257,6 +257,19 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
         action="store_true",
         help="Megatron DDP's overlapped gradient all-reduce (megatron only)",
     )
+    e.add_argument(
+        "--model",
+        choices=["gpt", "hybrid"],
+        help="the Megatron model: gpt (GPTModel, the default) or hybrid (megatron-core 0.19.2's "
+        "HybridModel, an attention and an MoE layer per --layers: *E*E...; megatron only)",
+    )
+    e.add_argument(
+        "--runner",
+        choices=["te_paged", "megatron"],
+        help="what drives the step: te_paged (MegatronPagedStashRunner, the default) or megatron "
+        "(Megatron's own PagedStashRunner, as Megatron-LM's pretrain() builds it, te_paged's "
+        "layers serving its calls; megatron-core 0.19.2; megatron only)",
+    )
 
 
 def _kernel_backend(p, extra: str = "") -> None:

@@ -427,7 +427,34 @@ def megatron_runner_case(ep: int, rank: int) -> dict:
         "stash_overflow_ranks": [s.stash_overflow_ranks for s in run.steps],
     }
     out["eval"] = _megatron_runner_eval(ep, rank)
+    out["unchecked"] = _unchecked_step(ep, rank)
+    for runner in ("te_paged", "megatron"):  # HybridModel, in a step of our own
+        cfg = config(steps=STEPS, runner=runner, model="hybrid", **PARITY)
+        on, off = train(cfg, True, ep, cpu, rank), train(cfg, False, ep, cpu, rank)
+        out[f"hybrid_{runner}"] = {
+            "equal": same_steps(on, off),
+            "attempt": attempts(on),
+            "stashes_pops": [[s.stashes, s.pops] for s in on.steps],
+        }
     return out
+
+
+def _unchecked_step(ep: int, rank: int) -> str | None:
+    """Megatron's runner built around te_paged's layers, then a step that bypasses it: the
+    optimizer step after it raises (its flags were never read)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from te_paged.tools.megatron_ab import _build, microbatch
+
+    cfg = config(steps=1, runner="megatron")
+    ddp, optimizer, _ = _build(cfg, True, ep, torch.device("cpu"), rank)  # builds its runner
+    data = [microbatch(cfg, 0, i, rank) for i in range(cfg.microbatches)]
+    get_forward_backward_func()(**step_kwargs(cfg, ddp, data))
+    try:
+        optimizer.step()
+    except RuntimeError as e:
+        return str(e)
+    return None
 
 
 def _megatron_runner_eval(ep: int, rank: int) -> dict:

@@ -165,55 +165,6 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
 datasets_provider.is_distributed = True
 
 
-def hybrid_stack_spec_without_te():
-    """Megatron's ``HybridStack`` spec with its local (Transformer-Engine-free) attention, dense
-    MLP and MoE layers (0.19.2 ships only TE hybrid specs); the other layer kinds left out."""
-    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
-    from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
-    from megatron.core.ssm.mlp_layer import MLPLayer
-    from megatron.core.transformer.identity_op import IdentityOp
-    from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_layer import (
-        MoETransformerLayer,
-        TransformerLayer,
-        TransformerLayerSubmodules,
-    )
-
-    dense = get_gpt_layer_local_submodules(num_experts=None)
-    moe = get_gpt_layer_local_submodules(num_experts=8, moe_grouped_gemm=False)
-    bda = get_bias_dropout_add
-    return ModuleSpec(
-        module=HybridStack,
-        submodules=HybridStackSubmodules(
-            mamba_layer=IdentityOp,
-            gdn_layer=IdentityOp,
-            dsa_layer=IdentityOp,
-            mla_layer=IdentityOp,
-            attention_layer=ModuleSpec(
-                module=TransformerLayer,
-                submodules=TransformerLayerSubmodules(
-                    input_layernorm=dense.input_layernorm,
-                    self_attention=dense.self_attention,
-                    self_attn_bda=bda,
-                ),
-            ),
-            mlp_layer=ModuleSpec(
-                module=MLPLayer,
-                submodules=TransformerLayerSubmodules(
-                    pre_mlp_layernorm=dense.pre_mlp_layernorm, mlp=dense.mlp, mlp_bda=bda
-                ),
-            ),
-            moe_layer=ModuleSpec(
-                module=MoETransformerLayer,
-                submodules=TransformerLayerSubmodules(
-                    pre_mlp_layernorm=moe.pre_mlp_layernorm, mlp=moe.mlp, mlp_bda=bda
-                ),
-            ),
-        ),
-    )
-
-
 # ------------------------------------------------------------------------------ one run
 
 
@@ -299,7 +250,11 @@ def pretrain_once(name: str, run: dict, log: list[str]) -> dict:
     from megatron.training.training import destroy_global_state
 
     from functional_tests.megatron.train_worker import mutated
-    from te_paged.integrations.megatron import MegatronLoopAdapter, with_te_paged_moe
+    from te_paged.integrations.megatron import (
+        MegatronLoopAdapter,
+        local_hybrid_stack_spec,
+        with_te_paged_moe,
+    )
     from te_paged.tools.megatron_ab import _reset_aux_loss_tracker, destroy_groups_made_inside
 
     start = time.perf_counter()
@@ -316,7 +271,7 @@ def pretrain_once(name: str, run: dict, log: list[str]) -> dict:
             model_cfg = hybrid_config_from_args(args)
             # A HybridModel's stack spec is a spec: te_paged's MoE layers go into it here.
             model_cfg.hybrid_stack_spec = with_te_paged_moe(
-                hybrid_stack_spec_without_te(), model_cfg.transformer, loop=loop_adapter
+                local_hybrid_stack_spec(), model_cfg.transformer, loop=loop_adapter
             )
         else:
             model_cfg = gpt_config_from_args(args)

@@ -167,3 +167,19 @@ def test_te_paged_reruns_bitwise_where_megatrons_runner_does_not(ranks) -> None:
         assert megatron["equal"] == [False] * STEPS, (rank, megatron)
         assert megatron["loss"][0] != megatron["reference_loss"][0], (rank, megatron)
         assert all(d > 0 for d in megatron["max_param_diff"]), (rank, megatron)
+
+
+def test_a_step_that_bypasses_megatrons_runner_cannot_reach_the_optimizer(ranks) -> None:
+    for result in ranks:
+        message = result["megatron_runner"]["unchecked"]
+        assert message is not None and "never checked" in message, message
+        assert "a step that dropped tokens could have been kept" in message
+
+
+@pytest.mark.parametrize("runner", ["te_paged", "megatron"])
+def test_hybrid_model_on_off_bitwise_in_a_step_of_our_own(ranks, runner) -> None:
+    for rank, result in enumerate(ranks):
+        case = result["megatron_runner"][f"hybrid_{runner}"]
+        assert case["equal"] == [True] * STEPS, (rank, runner, case)
+        assert case["attempt"] == [1] * STEPS, case
+        assert all(stashes == pops > 0 for stashes, pops in case["stashes_pops"]), case

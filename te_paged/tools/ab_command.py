@@ -28,7 +28,7 @@ __all__ = ["check_ab_args", "model_config", "run_ab_command"]
 # Flags of one engine only (their defaults are None: the engine's config fills them in).
 _MEGATRON_ONLY = (
     "ep", "dropout", "overlap_grad_reduce", "seq_length", "micro_batch_size", "microbatches",
-    "pipeline_parallel", "virtual_stages",
+    "pipeline_parallel", "virtual_stages", "model", "runner",
 )  # fmt: skip
 #: The capture step, then one step that runs with the pool: the least a saving is measured on.
 MIN_STEPS = 2
@@ -65,15 +65,25 @@ def _world(args: argparse.Namespace) -> tuple[int, bool]:
     return args.nproc, False
 
 
-def _megatron_missing() -> str | None:
+def _megatron_missing(cfg) -> str | None:
     from te_paged.integrations.megatron.releases import installed_release
     from te_paged.tools.megatron_ab import quiet_megatron
 
     quiet_megatron()
     try:
-        installed_release()
+        release = installed_release()
     except RuntimeError as e:
         return str(e)
+    if cfg.model == "hybrid" and not release.hybrid_model:
+        return (
+            f"--model hybrid needs megatron-core 0.19.2 (HybridModel); {release.version} is "
+            "installed"
+        )
+    if cfg.runner == "megatron" and not release.builtin_paged_stash:
+        return (
+            f"--runner megatron needs megatron-core 0.19.2 (Megatron's PagedStashRunner); "
+            f"{release.version} is installed"
+        )
     return None
 
 
@@ -84,6 +94,8 @@ def _check_pipeline(cfg, world: int) -> str | None:
         return f"--pipeline-parallel {pp} does not divide the {world} ranks"
     if vpp is not None and pp == 1:
         return "--virtual-stages needs --pipeline-parallel > 1 (the interleaved schedule)"
+    if vpp is not None and cfg.model == "hybrid":
+        return "--virtual-stages: Megatron's HybridModel has no virtual pipeline stages"
     if cfg.layers % (pp * (vpp or 1)):
         return (
             f"--layers {cfg.layers} does not split evenly over {pp} stage(s) x {vpp or 1} "
@@ -273,7 +285,7 @@ def check_ab_args(args: argparse.Namespace) -> str | None:
     if problem:
         return problem
     if megatron:
-        return _megatron_missing()
+        return _megatron_missing(cfg)
     return None
 
 
@@ -451,7 +463,11 @@ def run_ab_command(args: argparse.Namespace) -> int:
     if args.engine == "megatron":
         from te_paged.integrations.megatron.releases import installed_version
 
-        print(f"megatron-core {installed_version()}\n")
+        cfg = model_config(args)
+        driver = {"te_paged": "te_paged's MegatronPagedStashRunner",
+                  "megatron": "Megatron's own PagedStashRunner"}[cfg.runner]  # fmt: skip
+        model = {"gpt": "GPTModel", "hybrid": "HybridModel"}[cfg.model]
+        print(f"megatron-core {installed_version()}: {model}, the step driven by {driver}\n")
     if args.engine == "torchtitan":
         import importlib.metadata
 

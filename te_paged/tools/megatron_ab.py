@@ -112,15 +112,22 @@ class MegatronModelConfig(ModelConfig):
     #: step) or "megatron" (Megatron's own PagedStashRunner, as Megatron-LM's pretrain() builds
     #: it; megatron-core 0.19.2), which te_paged's layers serve through MegatronLoopAdapter.
     runner: str = "te_paged"
+    #: "gpt" (Megatron-core's GPTModel) or "hybrid" (0.19.2's HybridModel, attention and MoE
+    #: layers alternating: :func:`hybrid_layer_pattern`).
+    model: str = "gpt"
 
     def __post_init__(self) -> None:
         self.tokens = self.seq_length * self.micro_batch_size  # per rank and microbatch
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
+        if self.model not in MODELS:
+            raise ValueError(f"model must be one of {MODELS}, got {self.model!r}")
 
 
 #: The runners a Megatron step can be driven by (:attr:`MegatronModelConfig.runner`).
 RUNNERS = ("te_paged", "megatron")
+#: The models of the Megatron engine (:attr:`MegatronModelConfig.model`).
+MODELS = ("gpt", "hybrid")
 
 
 @dataclasses.dataclass
@@ -157,7 +164,7 @@ def _transformer_config(cfg: MegatronModelConfig, ep: int, paged_stash_fields: d
         **paged_stash_fields,  # 0.19.2: the flex dispatcher its capacity factor requires
     }
     return TransformerConfig(
-        num_layers=cfg.layers,
+        num_layers=cfg.layers * (2 if cfg.model == "hybrid" else 1),  # hybrid: *E per layer
         hidden_size=cfg.hidden,
         num_attention_heads=cfg.heads,
         ffn_hidden_size=cfg.ffn,
@@ -273,27 +280,30 @@ def _build(cfg: MegatronModelConfig, paged: bool, ep: int, device: torch.device,
     native, overrides = split_paged_stash_fields(**_paged_stash_fields(cfg, paged))
     tcfg = _transformer_config(cfg, ep, native)
     # The MLP spec is replaced below: ask for the plain one (no deprecation notice).
-    spec = get_gpt_layer_local_spec(num_experts=cfg.experts, moe_grouped_gemm=False)
     loop = MegatronLoopAdapter(
         max_consecutive_fallbacks=cfg.max_consecutive_fallbacks, grow_pool=cfg.grow_pool
     )
-    spec.submodules.mlp = get_te_paged_moe_spec(tcfg, device=device, loop=loop, **overrides)
-    chunks = []
-    for vp_stage in range(cfg.virtual_stages or 1):  # one model chunk per virtual stage
-        vp = None if cfg.virtual_stages is None else vp_stage
-        chunks.append(
-            GPTModel(
-                config=tcfg,
-                transformer_layer_spec=spec,
-                vocab_size=cfg.vocab,
-                max_sequence_length=cfg.seq_length,
-                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False,
-                                                                   vp_stage=vp),
-                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False,
-                                                                   vp_stage=vp),
-                vp_stage=vp,
-            ).to(device)
-        )  # fmt: skip
+    if cfg.model == "hybrid":
+        chunks = [_hybrid_model(cfg, tcfg, loop, device, overrides)]
+    else:
+        spec = get_gpt_layer_local_spec(num_experts=cfg.experts, moe_grouped_gemm=False)
+        spec.submodules.mlp = get_te_paged_moe_spec(tcfg, device=device, loop=loop, **overrides)
+        chunks = []
+        for vp_stage in range(cfg.virtual_stages or 1):  # one model chunk per virtual stage
+            vp = None if cfg.virtual_stages is None else vp_stage
+            chunks.append(
+                GPTModel(
+                    config=tcfg,
+                    transformer_layer_spec=spec,
+                    vocab_size=cfg.vocab,
+                    max_sequence_length=cfg.seq_length,
+                    pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False,
+                                                                       vp_stage=vp),
+                    post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False,
+                                                                       vp_stage=vp),
+                    vp_stage=vp,
+                ).to(device)
+            )  # fmt: skip
     if cfg.skew and rank == 0:
         with torch.no_grad():
             for layer in (m for chunk in chunks for m in chunk.modules()):
@@ -351,6 +361,38 @@ class _MegatronsRunner:
     def __call__(self, *, iteration: int | None = None, **kwargs: object):
         result = self.megatron_runner(**kwargs)
         return result, self.loop.records[-1]
+
+
+def hybrid_layer_pattern(cfg: MegatronModelConfig) -> str:
+    """``--model hybrid``'s ``HybridModel`` layer pattern: per MoE layer an attention layer and
+    an MoE layer (``*E``), ``cfg.layers`` of them, split evenly over the pipeline stages
+    (``|``). Example: 4 layers, 2 stages: ``*E*E|*E*E``."""
+    per_stage = cfg.layers // cfg.pipeline_parallel
+    return "|".join(["*E" * per_stage] * cfg.pipeline_parallel)
+
+
+def _hybrid_model(cfg: MegatronModelConfig, tcfg, loop, device: torch.device, overrides: dict):
+    """Megatron-core 0.19.2's ``HybridModel`` (:func:`hybrid_layer_pattern`) from Megatron's
+    local layers (``local_hybrid_stack_spec``) with te_paged's MoE layers; learned absolute
+    position embeddings, as the GPT engine's."""
+    from megatron.core import parallel_state
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    from te_paged.integrations.megatron import local_hybrid_stack_spec, with_te_paged_moe
+
+    spec = with_te_paged_moe(
+        local_hybrid_stack_spec(cfg.experts), tcfg, loop=loop, device=device, **overrides
+    )
+    return HybridModel(
+        config=tcfg,
+        hybrid_stack_spec=spec,
+        vocab_size=cfg.vocab,
+        max_sequence_length=cfg.seq_length,
+        hybrid_layer_pattern=hybrid_layer_pattern(cfg),
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        position_embedding_type="learned_absolute",
+    ).to(device)
 
 
 @contextlib.contextmanager

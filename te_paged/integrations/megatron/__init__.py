@@ -64,7 +64,11 @@ from te_paged.integrations.megatron.linears import (
 )
 from te_paged.integrations.megatron.loop import MegatronLoopAdapter
 from te_paged.integrations.megatron.runner import MegatronPagedStashRunner
-from te_paged.integrations.megatron.specs import gpt_layer_spec, with_te_paged_moe
+from te_paged.integrations.megatron.specs import (
+    gpt_layer_spec,
+    local_hybrid_stack_spec,
+    with_te_paged_moe,
+)
 from te_paged.integrations.megatron.state_dict import (
     grouped_to_sequential_state_dict,
     load_megatron_expert_state_dict,
@@ -86,6 +90,7 @@ __all__ = [
     "gpt_layer_spec",
     "grouped_to_sequential_state_dict",
     "load_megatron_expert_state_dict",
+    "local_hybrid_stack_spec",
     "megatron_moe_config",
     "paged_stash_managers",
     "sequential_to_grouped_state_dict",

@@ -59,9 +59,6 @@ data_loader``)                     generator is the dropout's (``cuda_rng``), so
 results_queue``)                   CUDA; without CUDA ``fork`` is, and spares each rank a new
                                    interpreter that imports torch (the first save: 17 s against
                                    4 s on 2 cores, 4 ranks)
-``hybrid_final_norm``              ``HybridStack`` builds its final norm with ``TENorm`` whatever
-(``hybrid_block.TENorm``, without  the spec says (hybrid_block.py:215), which needs Transformer
-Transformer Engine)                Engine: Megatron's ``WrappedTorchNorm`` (same arguments)
 =================================  ==============================================================
 """
 
@@ -264,15 +261,6 @@ def _checkpoint_queue_fork() -> None:
     filesystem_async.get_write_results_queue = get_write_results_queue
 
 
-def _hybrid_final_norm() -> None:
-    from megatron.core.extensions import transformer_engine
-    from megatron.core.models.hybrid import hybrid_block
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-    if not transformer_engine.HAVE_TE:
-        hybrid_block.TENorm = WrappedTorchNorm
-
-
 #: Every training-loop shim by name, in the order :func:`~.cpu_shims.install` applies them
 #: (``typing_override`` first: importing ``megatron.training`` needs it).
 LOOP_SHIMS: dict[str, Callable[[], None]] = {
@@ -286,7 +274,6 @@ LOOP_SHIMS: dict[str, Callable[[], None]] = {
     "distributed_optimizer_own_step": _distributed_optimizer_own_step,
     "dataloader_generator": _dataloader_generator,
     "checkpoint_queue_fork": _checkpoint_queue_fork,
-    "hybrid_final_norm": _hybrid_final_norm,
 }
 
 
@@ -296,7 +283,6 @@ def owners(name: str) -> list[tuple[Any, str]]:
     if name in ("typing_override", "dataset_helpers"):
         return []
     from megatron.core.dist_checkpointing.strategies import filesystem_async
-    from megatron.core.models.hybrid import hybrid_block
     from megatron.core.optimizer import distrib_optimizer as dopt
     from megatron.training import initialize
     from megatron.training import training as loop
@@ -315,5 +301,4 @@ def owners(name: str) -> list[tuple[Any, str]]:
         "distributed_optimizer_own_step": [(optimizer, "load_state_dict")],
         "dataloader_generator": [(loop, "build_pretraining_data_loader")],
         "checkpoint_queue_fork": [(filesystem_async, "get_write_results_queue")],
-        "hybrid_final_norm": [(hybrid_block, "TENorm")],
     }[name]

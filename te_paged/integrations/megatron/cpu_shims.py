@@ -64,7 +64,15 @@ when ``config.moe_paged_stash``)
 ``torch.cuda.current_stream()`` (DDP's           a placeholder stream whose waits are no-ops
 ``start_grad_sync`` waits on CUDA-graph          (on the host every op has finished when it
 events) (``current_stream``; 0.19.2)             returns)
+``hybrid_block.TENorm`` (``HybridStack``'s final  Megatron's ``WrappedTorchNorm`` (the same
+norm, Transformer Engine's whatever the spec      arguments, torch's LayerNorm or RMSNorm as
+says; without TE) (``hybrid_final_norm``;         the config says)
+0.19.2)
 ===============================================  ===============================================
+
+``install(training_loop=True)`` adds the stand-ins Megatron-LM's training loop
+(``megatron.training.pretrain()``) needs on CPU, 0.19.2 only: see
+:mod:`te_paged.integrations.megatron.cpu_loop_shims`.
 """
 
 from __future__ import annotations
@@ -264,6 +272,15 @@ def _patch_builtin_stash_manager(mode: TorchFunctionMode) -> None:
             torch.cuda.Stream = cuda_stream
 
 
+def _patch_hybrid_final_norm(mode: TorchFunctionMode) -> None:
+    from megatron.core.extensions import transformer_engine
+    from megatron.core.models.hybrid import hybrid_block
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if not transformer_engine.HAVE_TE:
+        hybrid_block.TENorm = WrappedTorchNorm
+
+
 def _owners(name: str) -> list[tuple[Any, str]]:
     """The Megatron attributes shim ``name`` replaces (checked before anything is patched)."""
     from megatron.core.tensor_parallel import random as mcore_random
@@ -274,6 +291,10 @@ def _owners(name: str) -> list[tuple[Any, str]]:
         from megatron.core.transformer.moe import paged_stash
 
         return [(paged_stash.PagedStashManager, "get_instance")]
+    if name == "hybrid_final_norm":
+        from megatron.core.models.hybrid import hybrid_block
+
+        return [(hybrid_block, "TENorm")]
     return {
         "checkpoint_backward_in_mode": [(mcore_random.CheckpointFunction, "backward")],
         "cuda_rng": [(mcore_random, "_get_cuda_rng_state"), (mcore_random, "_set_cuda_rng_state")],
@@ -300,6 +321,7 @@ SHIMS: dict[str, Callable[[TorchFunctionMode], None]] = {
     "cuda_factories": _patch_cuda_factories,
     "checkpoint_backward_in_mode": _patch_checkpoint_backward,
     "builtin_stash_manager": _patch_builtin_stash_manager,
+    "hybrid_final_norm": _patch_hybrid_final_norm,
 }
 
 

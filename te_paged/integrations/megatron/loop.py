@@ -344,8 +344,10 @@ class MegatronLoopAdapter:
 
     def on_optimizer_step(self) -> None:
         """Any optimizer stepped (torch's global hook): a training attempt must have been
-        checked by then."""
+        checked by then. Raised once: the adapter then waits for Megatron's runner to be built
+        again (an optimizer of another model in the process is not stopped twice)."""
         if self.phase is _Phase.RUNNING and not self._forward_only and self.driven_by is None:
+            self.phase, self._state = _Phase.UNREAD, None
             raise RuntimeError(
                 "an optimizer stepped after a training step of te_paged's layers that Megatron's "
                 "PagedStashRunner never checked: its over-budget and stash-overflow flags were "

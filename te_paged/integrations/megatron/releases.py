@@ -21,9 +21,12 @@ te_paged must not construct                dispatcher_type=        capacity_fact
 CPU shims (:mod:`.cpu_shims`)              the 0.16.1 set          the same, plus the
                                                                    global stash manager's
                                                                    CUDA stream, DDP's
-                                                                   ``current_stream()``
+                                                                   ``current_stream()``,
+                                                                   ``HybridStack``'s TE
+                                                                   final norm
 CPU shims for Megatron-LM's training loop  none (not supported)    :mod:`.cpu_loop_shims`
 (``pretrain()``)
+``HybridModel``                            none (``MambaModel``)   ``models/hybrid``
 Imports without declaring it               nothing                 ``triton`` (its paged
                                                                    stash kernels, imported
                                                                    by the schedules): a
@@ -64,6 +67,9 @@ class MegatronRelease:
     #: ``megatron.core.transformer.moe.paged_stash`` exists: a process-global stash manager
     #: whose hooks run whenever ``config.moe_paged_stash`` is set (te_paged keeps them inert).
     builtin_paged_stash: bool
+    #: ``megatron.core.models.hybrid.HybridModel`` exists (0.16.1 has the older
+    #: ``MambaModel`` only).
+    hybrid_model: bool = False
     #: The CPU shims :func:`~te_paged.integrations.megatron.cpu_shims.install` applies, by
     #: name (see that module's table).
     cpu_shims: tuple[str, ...]
@@ -105,7 +111,13 @@ RELEASES: dict[str, MegatronRelease] = {
             version="0.19.2",
             config_has_paged_stash_fields=True,
             builtin_paged_stash=True,
-            cpu_shims=(*_CPU_SHIMS_0_16, "builtin_stash_manager", "current_stream"),
+            hybrid_model=True,
+            cpu_shims=(
+                *_CPU_SHIMS_0_16,
+                "builtin_stash_manager",
+                "current_stream",
+                "hybrid_final_norm",
+            ),
             cpu_loop_shims=(
                 "typing_override",
                 "initialize_without_cuda",
@@ -117,7 +129,6 @@ RELEASES: dict[str, MegatronRelease] = {
                 "distributed_optimizer_own_step",
                 "dataloader_generator",
                 "checkpoint_queue_fork",
-                "hybrid_final_norm",
             ),
             requires_python=">=3.12",
             undeclared_imports=("triton",),

@@ -26,7 +26,7 @@ from typing import Any
 from te_paged.integrations.megatron.experts import get_te_paged_moe_spec
 from te_paged.integrations.megatron.loop import MegatronLoopAdapter
 
-__all__ = ["gpt_layer_spec", "with_te_paged_moe"]
+__all__ = ["gpt_layer_spec", "local_hybrid_stack_spec", "with_te_paged_moe"]
 
 
 def with_te_paged_moe(
@@ -98,3 +98,55 @@ def gpt_layer_spec(model_config: Any, vp_stage: int | None = None) -> Any:
 
     spec = default_layer_spec(model_config, vp_stage)
     return with_te_paged_moe(spec, model_config.transformer)
+
+
+def local_hybrid_stack_spec(num_experts: int = 8) -> Any:
+    """Megatron's ``HybridStack`` spec with Megatron's local layers (no Transformer Engine):
+    attention (``*``), dense MLP (``-``) and MoE (``E``) layers as in
+    ``get_gpt_layer_local_spec``; the Mamba, GDN, DSA and MLA slots empty (``IdentityOp``).
+    megatron-core 0.19.2 ships only Transformer Engine hybrid specs (``hybrid_layer_specs``),
+    so this is what a ``HybridModel`` on CPU is built from (with the CPU shim
+    ``hybrid_final_norm``: the stack's final norm is ``TENorm`` whatever the spec says).
+    ``num_experts`` only selects the MoE submodules; the config sets the count."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
+    from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import (
+        MoETransformerLayer,
+        TransformerLayer,
+        TransformerLayerSubmodules,
+    )
+
+    dense = get_gpt_layer_local_submodules(num_experts=None)
+    moe = get_gpt_layer_local_submodules(num_experts=num_experts, moe_grouped_gemm=False)
+    bda = get_bias_dropout_add
+    attention = TransformerLayerSubmodules(
+        input_layernorm=dense.input_layernorm,
+        self_attention=dense.self_attention,
+        self_attn_bda=bda,
+    )
+    return ModuleSpec(
+        module=HybridStack,
+        submodules=HybridStackSubmodules(
+            mamba_layer=IdentityOp,
+            gdn_layer=IdentityOp,
+            dsa_layer=IdentityOp,
+            mla_layer=IdentityOp,
+            attention_layer=ModuleSpec(module=TransformerLayer, submodules=attention),
+            mlp_layer=ModuleSpec(
+                module=MLPLayer,
+                submodules=TransformerLayerSubmodules(
+                    pre_mlp_layernorm=dense.pre_mlp_layernorm, mlp=dense.mlp, mlp_bda=bda
+                ),
+            ),
+            moe_layer=ModuleSpec(
+                module=MoETransformerLayer,
+                submodules=TransformerLayerSubmodules(
+                    pre_mlp_layernorm=moe.pre_mlp_layernorm, mlp=moe.mlp, mlp_bda=bda
+                ),
+            ),
+        ),
+    )
