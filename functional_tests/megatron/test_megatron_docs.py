@@ -1,4 +1,5 @@
-"""docs/megatron.md's complete example runs as written, on 4 gloo ranks.
+"""docs/megatron.md's complete examples run as written, on 4 gloo ranks: the training step of
+one's own (both releases), and the ``pretrain()`` script with its command (0.19.2).
 
 The example's code runs unchanged, as each rank's ``__main__``; the ranks are forked from a
 launcher that imported megatron-core once (``functional_tests/forkrun.py``, which gives them
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -19,14 +21,24 @@ from functional_tests.megatron import RELEASES, release_env
 from functional_tests.prelaunch import alone
 
 MARKER = "<!-- example: megatron-training-step -->"
+PRETRAIN = "<!-- example: megatron-pretrain -->"
+PRETRAIN_COMMAND = "<!-- example: megatron-pretrain-command -->"
 ITERATIONS = 4
 
 
-def extract_example() -> str:
+def extract_example(marker: str = MARKER, language: str = "python") -> str:
     text = (REPO_ROOT / "docs" / "megatron.md").read_text()
-    match = re.search(re.escape(MARKER) + r"\n```python\n(.*?)\n```", text, re.DOTALL)
-    assert match, f"docs/megatron.md has no python block after {MARKER}"
+    pattern = re.escape(marker) + rf"\n```{language}\n(.*?)\n```"
+    match = re.search(pattern, text, re.DOTALL)
+    assert match, f"docs/megatron.md has no {language} block after {marker}"
     return match.group(1) + "\n"
+
+
+def pretrain_command() -> tuple[str, list[str]]:
+    """The documented command's script name and flags (``torchrun --nproc_per_node=4``)."""
+    words = shlex.split(extract_example(PRETRAIN_COMMAND, "bash").replace("\\\n", " "))
+    assert words[:2] == ["torchrun", "--nproc_per_node=4"], words[:3]
+    return words[2], words[3:]
 
 
 def _launch(release: str, out: Path) -> str:
@@ -43,8 +55,18 @@ def _launch(release: str, out: Path) -> str:
                    preload=("te_paged.tools.preload_megatron",))  # fmt: skip
 
 
+def _launch_pretrain(out: Path) -> str:
+    name, flags = pretrain_command()
+    script = out / name
+    script.write_text(extract_example(PRETRAIN))  # as written
+    env = {"PYTHONWARNINGS": "ignore", **release_env("0.19.2")}
+    return forkrun([str(script), *flags], nproc=4, timeout_s=240, env=env, cwd=out,
+                   preload=("te_paged.tools.preload_megatron",))  # fmt: skip
+
+
 LAUNCH = {r: alone(f"megatron docs {r}", functools.partial(_launch, r)) for r in RELEASES}
-LAUNCHES = list(LAUNCH.values())
+LAUNCH_PRETRAIN = alone("megatron docs pretrain", _launch_pretrain)
+LAUNCHES = [*LAUNCH.values(), LAUNCH_PRETRAIN]
 
 
 @pytest.mark.parametrize("release", RELEASES)
@@ -55,3 +77,18 @@ def test_megatron_docs_example_runs_as_written(launches, release: str) -> None:
     assert [line.split()[1] for line in lines] == [str(i) for i in range(ITERATIONS)], output
     for line in lines:
         assert re.match(r"iteration \d loss \d+\.\d{4} attempt [12] \(stash overflow", line), line
+
+
+def test_megatron_docs_pretrain_script_runs_as_written(launches) -> None:
+    output = launches.result(LAUNCH_PRETRAIN)
+    iterations = re.findall(
+        r"iteration +(\d+)/ +4 \|.*lm loss: (\S+) .*grad norm: (\S+) \|", output
+    )
+    assert [i for i, _, _ in iterations] == ["1", "2", "3", "4"], output[-6000:]
+    assert all(float(loss) > 0 and float(norm) > 0 for _, loss, norm in iterations), iterations
+    assert "validation loss at iteration 2" in output and "validation loss at iteration 4" in output
+    # te_paged's line per iteration (rank 0): the stash ran, nothing fell back.
+    lines = re.findall(r"te_paged: iteration (\d+): (\d+) fallback\(s\).*pools (\S+) MiB", output)
+    assert [i for i, _, _ in lines] == ["1", "2", "3", "4"], output[-6000:]
+    assert all(n == "0" and float(mib) > 0 for _, n, mib in lines), lines
+    assert "Traceback" not in output
