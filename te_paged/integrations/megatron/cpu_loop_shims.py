@@ -12,54 +12,45 @@ from it, and ``install`` checks it after. Megatron's own switches are used where
 ``--no-gradient-accumulation-fusion``, ``--no-persist-layer-norm``; ``--moe-grouped-gemm``
 left off, since ``validate_args`` asks the GPU's compute capability for it).
 
-=================================  ==============================================================
-shim (what it replaces)            why (file:line in megatron-core 0.19.2)
-=================================  ==============================================================
-``typing_override``                ``megatron/training/models/gpt.py:5`` imports
-(``typing.override``, Python       ``typing.override`` (Python 3.12); te_paged's tests run on 3.11
-< 3.12 only)                       (``typing_extensions.override`` is the same decorator)
-``initialize_without_cuda``        ``pretrain()`` calls ``initialize_megatron`` (training.py:1091)
-(``initialize_megatron`` as        without ``allow_no_cuda``, whose absence asserts "Megatron
-``training.py`` calls it)          requires CUDA" (initialize.py:66); the flag is Megatron's own,
-                                   for CPU runs, and is passed
-``one_device_for_initialization``  with no device ``_initialize_distributed`` skips
-(``torch.cuda.device_count`` and   ``initialize_model_parallel`` (initialize.py:358) and
-``set_device`` inside              ``_set_random_seed`` skips the RNG tracker's seeding
-``_initialize_distributed`` and    (initialize.py:447): one device, and no device switch, inside
-``_set_random_seed``)              those two functions only
-``dataset_helpers``                the compiled ``helpers_cpp`` of the wheel is for CPython 3.12
-(``megatron.core.datasets.         only and ``compile_helpers`` finds no Makefile (rank 0 exits,
-helpers_cpp``, ``compile_          initialize.py:178): :mod:`.cpu_dataset_helpers` stands in,
-helpers``)                         only when the extension does not import
-``ddp_wrap_stream``                DDP wrapping makes a ``torch.cuda.Stream()``
-(``torch.cuda.Stream`` inside      (models/dist_utils.py:303, training.py:1876): a placeholder
-``dist_utils._ddp_wrap`` and       stream inside those two functions only
-``training.get_model``)
-``distributed_optimizer_fresh_     resuming with the distributed optimizer and torch's Adam (no
-state`` (``DistributedOptimizer.   TE, no Apex): its ``state_dict`` asserts one ``step`` over an
-state_dict`` before a step)        empty state (distrib_optimizer.py:837); before the first step
-                                   it gives the param groups with step 0 (the loaded groups carry
-                                   the real one)
-``distributed_optimizer_load``     the dp-reshardable load copies into fp32 main params that are
-(``DistributedOptimizer.load_      views of leaf parameters outside ``no_grad``
-parameter_state_from_dp_           (distrib_optimizer.py:1225; its siblings are ``no_grad``), and
-reshardable``)                     copies the fresh template's Adam ``step`` (0) over the loaded
-                                   one (the step is not saved, :1953): run under ``no_grad``,
-                                   the template's step left out
-``distributed_optimizer_own_step`` loading puts one ``step`` tensor into every parameter's Adam
-(``DistributedOptimizer.load_      state (distrib_optimizer.py:1028); Adam increments it once per
-state_dict``)                      parameter, so a resumed step counts parameters: each gets its
-                                   own copy
-``dataloader_generator``           each DataLoader iterator draws its seed from the default CPU
-(``training.build_pretraining_     generator, after the checkpoint's RNG was restored; on CPU that
-data_loader``)                     generator is the dropout's (``cuda_rng``), so a resumed run
-                                   would draw other masks: each loader gets a generator of its own
-``checkpoint_queue_fork``          the distributed checkpoint's writer starts a multiprocessing
-(``filesystem_async.get_write_     manager with ``spawn`` (filesystem_async.py:65), safe beside
-results_queue``)                   CUDA; without CUDA ``fork`` is, and spares each rank a new
-                                   interpreter that imports torch (the first save: 17 s against
-                                   4 s on 2 cores, 4 ranks)
-=================================  ==============================================================
+Each shim, what it replaces and why (file:line of megatron-core 0.19.2; docs/megatron.md has
+the same list):
+
+* ``typing_override`` — ``typing.override`` on Python < 3.12: ``megatron/training/models/
+  gpt.py:5`` imports it (Python 3.12); te_paged's tests run on 3.11, and
+  ``typing_extensions.override`` is the same decorator.
+* ``initialize_without_cuda`` — ``initialize_megatron`` as ``training.py`` calls it:
+  ``pretrain()`` passes no ``allow_no_cuda`` (training.py:1091), whose absence asserts
+  "Megatron requires CUDA" (initialize.py:66); the flag is Megatron's own, for CPU runs.
+* ``one_device_for_initialization`` — ``torch.cuda.device_count`` and ``set_device`` inside
+  ``_initialize_distributed`` and ``_set_random_seed`` only: with no device the first skips
+  ``initialize_model_parallel`` (initialize.py:358), the second the RNG tracker's seeding
+  (initialize.py:447).
+* ``dataset_helpers`` — ``megatron.core.datasets.helpers_cpp`` and ``compile_helpers``: the
+  wheel's compiled helpers are for CPython 3.12 only and there is no Makefile to rebuild them
+  (rank 0 exits, initialize.py:178); :mod:`.cpu_dataset_helpers` stands in, only when the
+  extension does not import.
+* ``ddp_wrap_stream`` — ``torch.cuda.Stream`` inside ``dist_utils._ddp_wrap`` and
+  ``training.get_model`` (models/dist_utils.py:303, training.py:1876): a placeholder stream.
+* ``distributed_optimizer_fresh_state`` — ``DistributedOptimizer.state_dict`` before any step:
+  resuming with the distributed optimizer and torch's Adam (no TE, no Apex), it asserts one
+  ``step`` over an empty state (distrib_optimizer.py:837); the param groups with step 0 stand
+  in (the loaded groups carry the real one).
+* ``distributed_optimizer_load`` — ``DistributedOptimizer.load_parameter_state_from_dp_
+  reshardable``: it copies into fp32 main params that are views of leaf parameters outside
+  ``no_grad`` (distrib_optimizer.py:1225; its siblings are ``no_grad``), and copies the fresh
+  template's Adam ``step`` (0) over the loaded one (the step is not saved, :1953): run under
+  ``no_grad``, the template's step left out.
+* ``distributed_optimizer_own_step`` — ``DistributedOptimizer.load_state_dict``: loading puts
+  one ``step`` tensor into every parameter's Adam state (distrib_optimizer.py:1028); Adam
+  increments it once per parameter, so a resumed step counts parameters: each gets a copy.
+* ``dataloader_generator`` — ``training.build_pretraining_data_loader``: each DataLoader
+  iterator draws its seed from the default CPU generator, after the checkpoint's RNG was
+  restored; on CPU that generator is the dropout's (``cuda_rng``), so a resumed run would draw
+  other masks: each loader gets a generator of its own.
+* ``checkpoint_queue_fork`` — ``filesystem_async.get_write_results_queue``: the distributed
+  checkpoint's writer starts a multiprocessing manager with ``spawn`` (filesystem_async.py:65),
+  safe beside CUDA; without CUDA ``fork`` is, and spares each rank a new interpreter that
+  imports torch (the first save: 17 s against 9 s on 2 cores, 4 ranks).
 """
 
 from __future__ import annotations

@@ -143,9 +143,28 @@ def test_every_shim_a_release_names_exists_and_every_shim_is_used() -> None:
     new_in_0_19 = set(releases.RELEASES["0.19.2"].cpu_shims) - set(
         releases.RELEASES["0.16.1"].cpu_shims
     )
-    assert new_in_0_19 == {"builtin_stash_manager", "current_stream"}
+    assert new_in_0_19 == {"builtin_stash_manager", "current_stream", "hybrid_final_norm"}
     for name in cpu_shims.SHIMS:  # the documented table names every shim
         assert f"``{name}``" in cpu_shims.__doc__, name
+    # The training loop's: 0.19.2 alone, each one in its module's table.
+    from te_paged.integrations.megatron import cpu_loop_shims
+
+    loop = {name for r in releases.RELEASES.values() for name in r.cpu_loop_shims}
+    assert loop == set(cpu_loop_shims.LOOP_SHIMS)
+    assert releases.RELEASES["0.16.1"].cpu_loop_shims == ()
+    assert list(releases.RELEASES["0.19.2"].cpu_loop_shims) == list(cpu_loop_shims.LOOP_SHIMS)
+    for name in cpu_loop_shims.LOOP_SHIMS:
+        assert f"``{name}``" in cpu_loop_shims.__doc__, name
+
+
+def test_the_training_loop_shims_are_refused_for_a_release_without_them(monkeypatch) -> None:
+    monkeypatch.setattr(releases, "installed_release", lambda: releases.RELEASES["0.16.1"])
+    monkeypatch.setattr(cpu_shims, "installed_release", lambda: releases.RELEASES["0.16.1"])
+    monkeypatch.setitem(cpu_shims._state, "installed", True)  # the core shims: not re-applied
+    with pytest.raises(RuntimeError, match=r"training loop on CPU with megatron-core 0\.19\.2 "
+                       r"only; 0\.16\.1 is installed"):  # fmt: skip
+        cpu_shims.install(training_loop=True)
+    assert not cpu_shims._state["loop"]
 
 
 def test_megatrons_own_fields_are_read_from_the_config_without_overrides() -> None:
