@@ -428,6 +428,7 @@ def megatron_runner_case(ep: int, rank: int) -> dict:
     }
     out["eval"] = _megatron_runner_eval(ep, rank)
     out["unchecked"] = _unchecked_step(ep, rank)
+    out["host_reads"] = _adapter_host_reads(ep, rank)
     for runner in ("te_paged", "megatron"):  # HybridModel, in a step of our own
         cfg = config(steps=STEPS, runner=runner, model="hybrid", **PARITY)
         on, off = train(cfg, True, ep, cpu, rank), train(cfg, False, ep, cpu, rank)
@@ -437,6 +438,51 @@ def megatron_runner_case(ep: int, rank: int) -> dict:
             "stashes_pops": [[s.stashes, s.pops] for s in on.steps],
         }
     return out
+
+
+def _adapter_host_reads(ep: int, rank: int) -> list[str]:
+    """The adapter's calls inside a paged step — each layer's forward, Megatron's check, the
+    kept step's boundary — under the host-read guard (``tests.host_reads``); the capture step
+    (which reads counts on the host by design) runs unguarded. The host reads found."""
+    from te_paged.integrations.megatron.loop import MegatronLoopAdapter
+    from te_paged.tools.megatron_ab import _build, microbatch
+    from tests.host_reads import NoHostReads
+
+    cfg = config(steps=1, runner="megatron", **PARITY)
+    ddp, optimizer, runner = _build(cfg, True, ep, torch.device("cpu"), rank)
+    runner.loop.on_record = None  # the tool's statistics read the flags on the host
+    found: list[str] = []
+
+    def guarded(method):
+        @functools.wraps(method)
+        def call(self, *args, **kwargs):
+            try:
+                with NoHostReads():
+                    return method(self, *args, **kwargs)
+            except AssertionError as e:
+                found.append(f"{method.__name__}: {e}")
+                raise
+
+        return call
+
+    for step in range(2):
+        data = [microbatch(cfg, step, i, rank) for i in range(cfg.microbatches)]
+        optimizer.zero_grad()
+        for chunk in ddp:
+            chunk.zero_grad_buffer()
+        if step == 1:  # paged: every call of the adapter's under the guard
+            stack = contextlib.ExitStack()
+            for name in ("on_forward", "check", "_keep"):
+                method = getattr(MegatronLoopAdapter, name)
+                stack.callback(setattr, MegatronLoopAdapter, name, method)
+                setattr(MegatronLoopAdapter, name, guarded(method))
+            with stack:
+                _, record = runner(**step_kwargs(cfg, ddp, data))
+            found.append(f"attempt {record.attempt}, enabled {record.enabled}")
+        else:
+            runner(**step_kwargs(cfg, ddp, data))
+        optimizer.step()
+    return found
 
 
 def _unchecked_step(ep: int, rank: int) -> str | None:

@@ -183,3 +183,12 @@ def test_hybrid_model_on_off_bitwise_in_a_step_of_our_own(ranks, runner) -> None
         assert case["equal"] == [True] * STEPS, (rank, runner, case)
         assert case["attempt"] == [1] * STEPS, case
         assert all(stashes == pops > 0 for stashes, pops in case["stashes_pops"]), case
+
+
+def test_under_megatrons_runner_te_pageds_part_of_a_paged_step_reads_nothing_on_the_host(
+    ranks,
+) -> None:
+    # Every layer's forward, Megatron's check of the flags and the kept step's boundary ran
+    # under the host-read guard (the step's one read is Megatron's own, after the check).
+    for result in ranks:
+        assert result["megatron_runner"]["host_reads"] == ["attempt 1, enabled True"], result

@@ -141,10 +141,10 @@ def _dataset_helpers() -> None:
 
 @contextlib.contextmanager
 def _placeholder_stream() -> Iterator[None]:
-    from te_paged.integrations.megatron.cpu_shims import _PlaceholderStream
+    from te_paged.integrations.megatron.cpu_stream import PlaceholderStream
 
     stream = torch.cuda.Stream
-    torch.cuda.Stream = _PlaceholderStream
+    torch.cuda.Stream = PlaceholderStream
     try:
         yield
     finally:

@@ -84,6 +84,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from te_paged.integrations.megatron.cpu_stream import PlaceholderStream
 from te_paged.integrations.megatron.releases import (
     RELEASES,
     SUPPORTED,
@@ -238,20 +239,7 @@ def _patch_no_compile(mode: TorchFunctionMode) -> None:
     _dynamo.config.disable = True  # read per frame, so it holds for compiled-at-import fns
 
 
-class _PlaceholderStream:
-    """Stands in for a CUDA stream on CPU, where every op has finished when it returns: waits
-    and synchronisations are no-ops."""
-
-    def wait_event(self, event: object) -> None:
-        pass
-
-    def wait_stream(self, stream: object) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-
+_PlaceholderStream = PlaceholderStream
 _HOST_STREAM = _PlaceholderStream()
 
 
