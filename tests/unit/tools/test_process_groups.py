@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,24 @@ def _gloo_loop_threads() -> int:
     return names.count("gloo_tcp_loop")
 
 
+def _threads_once_settled(expected: int | None = None, timeout_s: float = 10.0) -> int:
+    """gloo's loop threads once their number holds for 0.3 s (or equals ``expected``): a group
+    starts its thread at its first collective and a destroyed one ends it, each a little after
+    the call returns (one suite run counted the default group's thread after its collective)."""
+    deadline = time.monotonic() + timeout_s
+    last, since = _gloo_loop_threads(), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = _gloo_loop_threads()
+        if now == expected:
+            return now
+        if now != last:
+            last, since = now, time.monotonic()
+        elif expected is None and time.monotonic() - since >= 0.3:
+            return now
+    return _gloo_loop_threads()
+
+
 def test_groups_made_inside_are_destroyed_and_their_threads_end(tmp_path) -> None:
     started_here = not dist.is_initialized()
     if started_here:
@@ -33,7 +52,7 @@ def test_groups_made_inside_are_destroyed_and_their_threads_end(tmp_path) -> Non
         # The default group (an earlier test's, in the suite) connects, and starts its own
         # thread, at its first collective: before the count.
         dist.all_reduce(torch.ones(1))
-        groups_before, threads_before = set(distributed_c10d._world.pg_map), _gloo_loop_threads()
+        groups_before, threads_before = set(distributed_c10d._world.pg_map), _threads_once_settled()
         with destroy_groups_made_inside():
             # Held in a reference cycle, as a model's modules hold their groups: only the
             # garbage collector frees them (and so ends their threads).
@@ -41,10 +60,10 @@ def test_groups_made_inside_are_destroyed_and_their_threads_end(tmp_path) -> Non
             held["self"] = held
             for group in held["groups"]:
                 dist.all_reduce(torch.ones(1), group=group)
-            assert _gloo_loop_threads() == threads_before + 3
+            assert _threads_once_settled(threads_before + 3) == threads_before + 3
             del held, group
         assert set(distributed_c10d._world.pg_map) == groups_before
-        assert _gloo_loop_threads() == threads_before
+        assert _threads_once_settled(threads_before) == threads_before
     finally:
         if started_here:
             dist.destroy_process_group()
