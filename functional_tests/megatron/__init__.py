@@ -98,13 +98,16 @@ def workers_launch(
     timeout_s: int,
     release: str = DEFAULT_RELEASE,
     env: dict[str, str] | None = None,
+    own_launch: bool = False,
 ) -> Launch:
     """``worker`` on 4 ranks as a :class:`~functional_tests.prelaunch.Launch`: every worker the
     collected tests need on the same release and environment runs in one launch, whose timeout
-    is the sum of theirs. Its result is the worker's list of per-rank results."""
+    is the sum of theirs (``own_launch``: a launch of its own, for a worker whose length alone
+    is most of a test's timeout). Its result is the worker's list of per-rank results."""
     from functional_tests.prelaunch import Launch
 
-    group = " ".join(["megatron", release, *(f"{k}={v}" for k, v in sorted((env or {}).items()))])
+    words = ["megatron", release, *(f"{k}={v}" for k, v in sorted((env or {}).items()))]
+    group = " ".join([*words, worker] if own_launch else words)
     timeouts[group, worker] = timeout_s
 
     def run(parts: tuple[str, ...], out: Path) -> dict[str, list[dict]]:
