@@ -265,15 +265,16 @@ class MegatronLoopAdapter:
     def prepare_rerun(self) -> None:
         """``reset_over_budget()`` / the factor cleared: the rerun comes next."""
         self.refuse_if_driven()
-        if self.phase is not _Phase.CHECKED:
+        if self.phase is _Phase.RERUN:
             return  # the other layers' calls of the same preparation
-        engine = self._engine_now()
-        if self._state is None:
+        if self.phase is not _Phase.CHECKED or self._state is None:
             raise RuntimeError(
-                "Megatron's PagedStashRunner asks for a rerun of a step whose start te_paged "
-                "did not see (no snapshot: the runner was not built around these layers "
-                "before the step); the rerun could not restore the random state"
+                f"Megatron's PagedStashRunner asks for a rerun, but te_paged's adapter is "
+                f"{self.phase.name} ({self.phase.value}): a rerun follows an attempt whose "
+                "flags that runner read (check_over_budget), of a step whose start te_paged "
+                "saw; without that it could not restore what the attempt changed"
             )
+        engine = self._engine_now()
         with torch.no_grad():
             flag_ranks, per_rank = engine._reduce()  # the rerun path's own reduction
         record = engine._record(flag_ranks, per_rank, self._forward_only)
