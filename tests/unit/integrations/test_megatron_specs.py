@@ -1,0 +1,77 @@
+"""``with_te_paged_moe`` on Megatron's own specs (megatron-core 0.19.2 writes them as
+``functools.partial`` s, 0.16.1 as ``ModuleSpec`` s): every MoE layer becomes te_paged's, with
+one stash manager and one adapter, the router and shared experts kept; nothing else changes.
+(Built and trained on 4 ranks in functional_tests/megatron/test_megatron_pretrain.py.)"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from te_paged.integrations import megatron as tpm
+
+from .test_megatron_adapters import megatron_config
+
+STASH = {"moe_expert_rank_capacity_factor": 2.0, "moe_paged_stash": True}
+
+
+def _moe_specs(node, found=None) -> list:
+    """Every te_paged MoE spec in ``node`` (a layer, block or hybrid-stack spec)."""
+    import dataclasses
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    found = [] if found is None else found
+    if isinstance(node, ModuleSpec):
+        if node.module is tpm.PagedStashMoELayer:
+            found.append(node)
+        else:
+            _moe_specs(node.submodules, found)
+    elif isinstance(node, functools.partial):
+        for value in node.keywords.values():
+            _moe_specs(value, found)
+    elif isinstance(node, (list, tuple)):
+        for value in node:
+            _moe_specs(value, found)
+    elif dataclasses.is_dataclass(node) and not isinstance(node, type):
+        for field in dataclasses.fields(node):
+            _moe_specs(getattr(node, field.name), found)
+    return found
+
+
+def test_a_gpt_layer_spec_gets_te_pageds_moe_keeping_its_router() -> None:
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    cfg = megatron_config(num_moe_experts=8)
+    spec = get_gpt_layer_local_spec(num_experts=8, moe_grouped_gemm=False)
+    router = spec.submodules.mlp.keywords["submodules"].router
+    loop = tpm.MegatronLoopAdapter()
+    out = tpm.with_te_paged_moe(spec, cfg, loop=loop, **STASH)
+    (moe,) = _moe_specs(out)
+    assert moe.params["loop"] is loop
+    assert moe.submodules.router is router  # Megatron's, kept
+    assert moe.submodules.experts.module is tpm.MegatronTEGroupedMLP
+    assert out.submodules.self_attention == spec.submodules.self_attention  # the rest as it was
+    assert spec.submodules.mlp.func.__name__ == "MoELayer"  # the input is not changed
+
+
+def test_every_moe_layer_of_a_hybrid_stack_shares_one_manager_and_one_adapter() -> None:
+    cfg = megatron_config(num_moe_experts=8)
+    stack = tpm.local_hybrid_stack_spec(8)
+    out = tpm.with_te_paged_moe(stack, cfg, **STASH)
+    (moe,) = _moe_specs(out)  # the stack's one MoE slot
+    manager = moe.submodules.experts.params["manager"]
+    assert manager is not None and isinstance(moe.params["loop"], tpm.MegatronLoopAdapter)
+    # A block of two MoE layer specs (as get_gpt_decoder_block_spec builds): one of each.
+    two = tpm.with_te_paged_moe([stack, stack], cfg, **STASH)
+    first, second = _moe_specs(two)
+    assert first.submodules.experts.params["manager"] is second.submodules.experts.params["manager"]
+    assert first.params["loop"] is second.params["loop"]
+
+
+def test_a_spec_without_moe_layers_is_refused() -> None:
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    with pytest.raises(ValueError, match="no MoE layer"):
+        tpm.with_te_paged_moe(get_gpt_layer_local_spec(), megatron_config(), **STASH)
