@@ -486,11 +486,15 @@ class PagedStashRunner:
     def _begin_step(self) -> None:
         for manager in self.managers:
             manager.reset()
+        self._zero_counters()
+        self._route_calls.clear()
+
+    def _zero_counters(self) -> None:
+        """The dispatchers' counters and the layers' invalid-count flags, zeroed in place."""
         for d in self.dispatchers:
             d.reset_flags()
         for flag in self.participants.invalid_flags:
             flag.zero_()
-        self._route_calls.clear()
 
     def _budget(self) -> tuple[int, int]:
         if not self.dispatchers:

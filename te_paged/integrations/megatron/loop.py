@@ -287,10 +287,7 @@ class MegatronLoopAdapter:
         # Megatron's runner reads the rerun's flags too: this attempt's are spent.
         for manager in engine.managers:
             manager.clear_flags()
-        for d in engine.dispatchers:
-            d.reset_flags()
-        for flag in engine.participants.invalid_flags:
-            flag.zero_()
+        engine._zero_counters()
         engine._enter_fallback(self._rerun)
         record.attempt, record.enabled = 2, False
         self._record = record
