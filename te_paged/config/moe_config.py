@@ -16,6 +16,13 @@ input tokens:
     max_num_tokens = ceil(T × moe_router_topk × moe_expert_rank_capacity_factor)   [↑32 for MXFP8]
     avg_num_tokens = floor(max_num_tokens / moe_expert_rank_capacity_factor)       (balanced case)
 
+te_paged's own dispatcher sends equal blocks over an all-to-all: each rank may send each rank at
+most `C = ceil(T × moe_router_topk × a2a_capacity_factor) / P` rows (its wire budget) and pads
+the received rows to the expert buffer's `max_num_tokens`, so `a2a_capacity_factor <=
+moe_expert_rank_capacity_factor`. `moe_a2a_capacity_factor=None` takes
+`min(DEFAULT_A2A_CAPACITY_FACTOR, moe_expert_rank_capacity_factor)`; the runner raises it as
+routing needs (docs/design.md, "The wire").
+
 Both use the decimal value of the factor, not its binary float: with 100 tokens, top-2 and factor
 1.1 the budget is 220 rows (float math gives 221) and `avg_num_tokens(220)` is 200 (float `//`
 gives 199).
@@ -29,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from te_paged.config.budget import balanced_rows, rank_rows
+from te_paged.config.budget import DEFAULT_A2A_CAPACITY_FACTOR, balanced_rows, rank_rows
 from te_paged.grouped.activations import (
     ACTIVATIONS,
     ActivationSpec,
@@ -147,6 +154,8 @@ class MoEConfig:
     use_transformer_engine_op_fuser: bool = False
     # Static budget and paged stash.
     moe_expert_rank_capacity_factor: float | None = None
+    # te_paged's padded all-to-all: the pair budget's factor (None: see a2a_capacity_factor).
+    moe_a2a_capacity_factor: float | None = None
     moe_paged_stash: bool = False
     moe_paged_stash_page_size: int = 64
     moe_paged_stash_buffer_size_factor_cuda: float = 1.10
@@ -226,6 +235,18 @@ class MoEConfig:
         if not _is_int(max_num_tokens) or max_num_tokens < 0:
             raise ValueError(f"max_num_tokens must be a non-negative int; got {max_num_tokens!r}")
         return balanced_rows(max_num_tokens, factor)
+
+    @property
+    def a2a_capacity_factor(self) -> float | None:
+        """The wire budget's factor of te_paged's padded all-to-all (see the module docstring):
+        ``moe_a2a_capacity_factor``, or ``min(DEFAULT_A2A_CAPACITY_FACTOR,
+        moe_expert_rank_capacity_factor)`` when that is None; None without a rank factor."""
+        cf = self.moe_expert_rank_capacity_factor
+        if cf is None:
+            return None
+        if self.moe_a2a_capacity_factor is not None:
+            return self.moe_a2a_capacity_factor
+        return min(DEFAULT_A2A_CAPACITY_FACTOR, cf)
 
     def _require_capacity_factor(self, what: str) -> float:
         if self.moe_expert_rank_capacity_factor is None:
@@ -338,6 +359,7 @@ class MoEConfig:
         # (field, may be None, lower bound, bound is strict, example of a good value)
         reals: tuple[tuple[str, bool, float, bool, str], ...] = (
             ("moe_expert_rank_capacity_factor", True, 0.0, True, "1.5"),
+            ("moe_a2a_capacity_factor", True, 0.0, True, "1.25"),
             # Megatron's sign convention: > 0 × the balanced peak, < 0 × the observed peak.
             ("moe_paged_stash_buffer_size_factor_cuda", False, -math.inf, False, "1.10"),
             ("moe_paged_stash_buffer_size_factor_cpu", False, -math.inf, False, "0.0"),
@@ -355,6 +377,13 @@ class MoEConfig:
                 problems.append(
                     f"{name} must be {none}a finite number{bound}; got {value!r} (e.g. {example})"
                 )
+        a2a, cf = self.moe_a2a_capacity_factor, self.moe_expert_rank_capacity_factor
+        if _is_real(a2a) and _is_real(cf) and a2a > cf:
+            problems.append(
+                f"moe_a2a_capacity_factor={a2a} is larger than moe_expert_rank_capacity_factor="
+                f"{cf}: the all-to-all's received rows must fit the expert buffer; set it <= {cf} "
+                "(or None for te_paged's default)"
+            )
         if self.moe_paged_stash and self.moe_paged_stash_buffer_size_factor_cuda == 0:
             problems.append(
                 "moe_paged_stash=True with moe_paged_stash_buffer_size_factor_cuda=0 leaves no "

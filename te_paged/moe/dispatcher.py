@@ -2,18 +2,23 @@
 
 Shape suffixes: ``N`` local tokens, ``K`` top-k, ``A = N·K`` (token, k) assignments, ``H``
 hidden, ``P`` ranks of the expert-parallel group, ``L`` local experts (``E / P``), ``C`` pair
-capacity (rows one rank may send to one rank), ``S = P·C`` slots of a send/receive buffer,
-``T`` rows handed to the experts (``S`` in static mode, the real rows in dropless mode).
+capacity (rows one rank may send to one rank: the wire budget), ``S = P·C`` slots of a
+send/receive buffer, ``T`` rows handed to the experts (the expert buffer ``max_num_tokens`` in
+static mode, the real rows in dropless mode).
 
 Global expert ``e`` lives on rank ``e // L`` as local expert ``e % L``.
 
-**Budget (static mode).** Per rank ``max_num_tokens = config.max_num_tokens(N)`` (``N·K·cf``
-rounded up, MXFP8 to 32), rounded up again to a multiple of ``lcm(P, 32 if MXFP8 else 1)`` so
-that it splits into ``P`` equal pair budgets ``C = max_num_tokens / P`` and stays MXFP8-aligned.
-The budget is *per (source, destination) pair*: a rank may send at most ``C`` assignments to
-each rank, so a rank never receives more than ``P·C = max_num_tokens`` rows. An assignment whose
-position among its source's assignments to that destination is ``>= C`` is dropped from this
-attempt, counted on the *source* rank in :attr:`~StaticBudgetDispatcher.over_budget` and
+**Two budgets (static mode).** The *expert buffer* is ``T = max_num_tokens =
+config.max_num_tokens(N)`` (``N·K·cf`` rounded up, MXFP8 to 32, then to a multiple of ``lcm(P,
+32 if MXFP8 else 1)``): the static shape of everything the experts compute and save. The *wire*
+is smaller: ``all_to_all_single`` needs equal splits to stay sync-free, so every rank sends every
+rank a block of ``C`` rows, ``C = split_rows(N·K·a2a, P) / P`` with ``a2a =
+a2a_capacity_factor <= cf`` (default ``min(1.25, cf)``; the runner raises it as routing needs,
+up to ``cf``). An exchange moves ``P·C`` rows, not ``T``: about ``a2a ×`` the rows of a dropless
+exchange instead of ``cf ×``. The received ``P·C <= T`` rows are padded with zero rows to ``T``
+for the experts. The budget is *per (source, destination) pair*: an assignment whose position
+among its source's assignments to that destination is ``>= C`` is dropped from this attempt,
+counted on the *source* rank in :attr:`~StaticBudgetDispatcher.over_budget` and
 :attr:`~StaticBudgetDispatcher.dropped_tokens` (device int64), and the runner reruns the step.
 
 **Dispatch**::
@@ -22,19 +27,25 @@ attempt, counted on the *source* rank in :attr:`~StaticBudgetDispatcher.over_bud
                                               token-major (n, k) order; over C → dropped)
     send_SH, probs_S, local_expert_S         (empty slots: zero row, zero prob, sentinel L)
     ── all_to_all_single (equal splits) ──▶  recv_SH (block s = rows from source rank s)
-    stable sort by local expert (sentinel L last)
+    stable sort by local expert (sentinel L last), zero rows appended up to T
     ─▶ permuted_TH, tokens_per_expert_L, permuted_probs_T
 
 Permutation order of the real rows: (local expert, source rank, source token, k). The dropless
 mode (``capacity_factor=None``) runs the same code with ``C`` = the largest pair count over the
 group (one host read plus an ``all_reduce(MAX)``) and strips the padding (keeping, with MXFP8,
 zero rows up to a multiple of 32), so when nothing is dropped both modes hand the experts the
-same rows in the same order, bit for bit.
+same rows in the same order, bit for bit, whatever the wire budget.
 
 **Combine** (TEGroupedMLP already weighted each row by its probability, so this is an
 *unweighted* sum): inverse permutation, all-to-all back, gather each assignment's row (dropped
 ones read a zero row) and ``sum`` over the K slots of ``[N, K, H]`` — a fixed-order reduction,
 no atomics. Every step is differentiable; the all-to-all's backward is the reverse all-to-all.
+
+**Bytes on the wire.** Every exchange adds what this rank hands ``all_to_all_single`` (every
+block, its own included, and the expert-id metadata) to the host int :attr:`bytes_sent`, in
+forward and in backward; the device counter :attr:`dropless_bytes` adds what a dropless,
+variable-split exchange of the same routing would move: each routed assignment's row once per
+exchange, no metadata. Neither needs a host read (:meth:`reset_traffic` zeroes both).
 """
 
 from __future__ import annotations
@@ -49,7 +60,7 @@ import torch.distributed as dist
 from torch import nn
 
 from te_paged.config import MoEConfig
-from te_paged.config.budget import rank_rows, round_up, split_rows
+from te_paged.config.budget import DEFAULT_A2A_CAPACITY_FACTOR, rank_rows, round_up, split_rows
 from te_paged.config.checks import require_real
 from te_paged.moe.config_adapter import as_moe_config
 
@@ -107,18 +118,24 @@ class _AllToAll(torch.autograd.Function):
     """Equal-split ``all_to_all_single`` along dim 0: block ``s`` of the output on rank ``r`` is
     block ``r`` of the input on rank ``s``. ``[S, ...] → [S, ...]``.
 
-    Backward is the same exchange applied to the gradient (it is its own inverse pattern).
-    Saves nothing for backward (0 bytes). gloo has no autograd for collectives, hence this.
+    Backward is the same exchange applied to the gradient (it is its own inverse pattern), and
+    is counted on ``traffic`` like the forward. Saves nothing for backward but a 0-dim count.
+    gloo has no autograd for collectives, hence this.
     """
 
     @staticmethod
-    def forward(ctx, x_S: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
+    def forward(
+        ctx, x_S: torch.Tensor, group: dist.ProcessGroup, traffic: StaticBudgetDispatcher,
+        routed: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        ctx.group, ctx.traffic, ctx.routed = group, traffic, routed
+        traffic._count(x_S, routed)
         return _all_to_all(x_S, group)
 
     @staticmethod
-    def backward(ctx, grad_S: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_to_all(grad_S, ctx.group), None
+    def backward(ctx, grad_S: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        ctx.traffic._count(grad_S, ctx.routed)
+        return _all_to_all(grad_S, ctx.group), None, None, None
 
 
 def _resize_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -134,7 +151,8 @@ class DispatchHandle:
 
     ``slot_A``: each assignment's send slot (``S`` = dropped, reads a zero row);
     ``inverse_S``: position in the expert-ordered rows of each received slot;
-    ``rows``: ``S = P·C``; ``num_out_rows``: ``T`` (rows handed to the experts).
+    ``rows``: ``S = P·C``; ``num_out_rows``: ``T`` (rows handed to the experts);
+    ``routed``: the routed assignments (device 0-dim), for the dropless byte count.
     """
 
     num_tokens: int
@@ -145,6 +163,7 @@ class DispatchHandle:
     slot_A: torch.Tensor
     inverse_S: torch.Tensor
     dropless: bool
+    routed: torch.Tensor
 
 
 class StaticBudgetDispatcher(nn.Module):
@@ -165,7 +184,14 @@ class StaticBudgetDispatcher(nn.Module):
       compare with ``pair_capacity`` (host int ``C``); :meth:`fitting_capacity_factor` turns
       it into the smallest capacity factor that would have fitted;
     * ``invalid_indices``: dispatches with an expert id outside ``[0, num_moe_experts)`` (those
-      assignments are dropped; the runner refuses the step).
+      assignments are dropped; the runner refuses the step);
+    * ``dropless_bytes``: the bytes a dropless exchange of the same routing would have moved
+      (see the module docstring; :attr:`bytes_sent` is the host int of what was sent).
+
+    ``capacity_factor`` sizes the expert buffer, ``a2a_capacity_factor`` the wire (default: the
+    config's :attr:`~te_paged.config.MoEConfig.a2a_capacity_factor`, or ``min(1.25,
+    capacity_factor)`` when ``capacity_factor`` is given here); :meth:`set_a2a_capacity_factor`
+    changes the wire between steps (the runner's self-sizing).
     """
 
     def __init__(
@@ -176,16 +202,27 @@ class StaticBudgetDispatcher(nn.Module):
         capacity_factor: float | _FromConfig | None = FROM_CONFIG,
         device: torch.device | str | None = None,
         rank_budget: RankBudget | None = None,
+        a2a_capacity_factor: float | _FromConfig | None = FROM_CONFIG,
     ) -> None:
         super().__init__()
         cfg = as_moe_config(config)
         self.rank_budget = rank_budget
         self.config, self.group = cfg, ep_group
-        if capacity_factor is FROM_CONFIG:
+        from_config = capacity_factor is FROM_CONFIG
+        if from_config:
             capacity_factor = cfg.moe_expert_rank_capacity_factor
         if capacity_factor is not None:
             capacity_factor = require_real("capacity_factor", capacity_factor, strict=True)
         self._capacity_factor: float | None = capacity_factor
+        if a2a_capacity_factor is FROM_CONFIG:
+            a2a_capacity_factor = cfg.moe_a2a_capacity_factor
+        self._a2a: float | None = None
+        if capacity_factor is not None:
+            if a2a_capacity_factor is None:
+                a2a_capacity_factor = min(DEFAULT_A2A_CAPACITY_FACTOR, capacity_factor)
+            self.set_a2a_capacity_factor(a2a_capacity_factor)
+        #: Bytes this rank handed the all-to-all since :meth:`reset_traffic` (host int).
+        self.bytes_sent = 0
         self.ep_size = 1 if ep_group is None else dist.get_world_size(ep_group)
         self.ep_rank = 0 if ep_group is None else dist.get_rank(ep_group)
         experts, cfg_ep = cfg.num_moe_experts, cfg.expert_model_parallel_size
@@ -206,7 +243,7 @@ class StaticBudgetDispatcher(nn.Module):
         self.pair_capacity = 0
         self.last_num_tokens = 0
         counters = ("over_budget", "dropped_tokens", "peak_tokens", "peak_pair_tokens",
-                    "invalid_indices")  # fmt: skip
+                    "invalid_indices", "dropless_bytes")  # fmt: skip
         for name in counters:
             zero = torch.zeros((), dtype=torch.int64, device=device)
             self.register_buffer(name, zero, persistent=False)
@@ -217,6 +254,26 @@ class StaticBudgetDispatcher(nn.Module):
     def capacity_factor(self) -> float | None:
         """The static budget's factor; ``None``: always dropless."""
         return self._capacity_factor
+
+    @property
+    def a2a_capacity_factor(self) -> float | None:
+        """The wire budget's factor (``<= capacity_factor``); ``None`` without a static budget."""
+        return self._a2a
+
+    def set_a2a_capacity_factor(self, factor: float) -> None:
+        """Set the wire budget's factor, ``0 < factor <= capacity_factor`` (host only: takes
+        effect at the next dispatch; every rank of the group must set the same)."""
+        if self._capacity_factor is None:
+            raise ValueError(
+                "a dispatcher without a capacity factor is dropless: it has no wire budget"
+            )
+        factor = require_real("a2a_capacity_factor", factor, strict=True)
+        if factor > self._capacity_factor:
+            raise ValueError(
+                f"a2a_capacity_factor={factor} is larger than the expert buffer's capacity_factor="
+                f"{self._capacity_factor}: the received rows must fit the expert buffer"
+            )
+        self._a2a = factor
 
     @property
     def dropless(self) -> bool:
@@ -239,21 +296,58 @@ class StaticBudgetDispatcher(nn.Module):
             self._dropless_depth -= 1
 
     def reset_flags(self) -> None:
-        """Zero the device counters in place (allocation-free, sync-free)."""
+        """Zero the device counters of the flags in place (allocation-free, sync-free); the
+        byte counts are :meth:`reset_traffic`'s."""
         for t in (self.over_budget, self.dropped_tokens, self.peak_tokens, self.peak_pair_tokens,
                   self.invalid_indices):  # fmt: skip
             t.zero_()
 
-    def fitting_capacity_factor(self, num_tokens: int, peak_pair_tokens: int) -> float:
-        """Smallest capacity factor, in steps of 0.01, whose pair capacity for ``num_tokens``
-        local tokens holds ``peak_pair_tokens`` (a host int, e.g. the group-wide maximum of
-        :attr:`peak_pair_tokens` read once by the runner)."""
+    def reset_traffic(self, *, sent: bool = True) -> None:
+        """Zero :attr:`dropless_bytes` (in place, sync-free) and, with ``sent``,
+        :attr:`bytes_sent`. The runner zeroes both at each step and the reference alone
+        before a rerun: after a step it is the kept attempt's."""
+        if sent:
+            self.bytes_sent = 0
+        self.dropless_bytes.zero_()
+
+    def _count(self, t: torch.Tensor, routed: torch.Tensor | None) -> None:
+        """One exchange of ``t``: its bytes sent, and ``routed`` rows of it for the dropless
+        reference (``None``: metadata, which a dropless exchange has no rows of)."""
+        self.bytes_sent += t.numel() * t.element_size()
+        if routed is not None:
+            row_bytes = math.prod(t.shape[1:]) * t.element_size()
+            self.dropless_bytes.add_(routed * row_bytes)
+
+    def wire_capacity(self, num_tokens: int) -> int:
+        """``C``: the rows one rank sends another in a static dispatch of ``num_tokens`` local
+        tokens, at :attr:`a2a_capacity_factor`, at most the expert buffer's pair share. One
+        rank has no wire: its budget is the expert buffer."""
+        if self._a2a is None:
+            raise ValueError("a dispatcher without a capacity factor has no wire budget")
+        expert_pair = static_budget(
+            self.config, num_tokens, self.ep_size, self.rank_budget,
+            capacity_factor=self._capacity_factor,
+        )[1]  # fmt: skip
+        if self.group is None or self.ep_size == 1:
+            return expert_pair
+        wire = static_budget(self.config, num_tokens, self.ep_size, capacity_factor=self._a2a)[1]
+        return min(wire, expert_pair)
+
+    def fitting_capacity_factor(
+        self, num_tokens: int, peak_pair_tokens: int, *, expert_buffer: bool = False
+    ) -> float:
+        """Smallest factor, in steps of 0.01, whose pair capacity for ``num_tokens`` local tokens
+        holds ``peak_pair_tokens`` (a host int, e.g. the group-wide maximum of
+        :attr:`peak_pair_tokens` read once by the runner): the wire's
+        (``a2a_capacity_factor``), or with ``expert_buffer`` the expert buffer's
+        (``capacity_factor``, whose rounding rule ``rank_budget`` may replace)."""
         topk = self.config.moe_router_topk
         balanced = max(1, num_tokens * topk)
+        rule = self.rank_budget if expert_buffer else None
         factor = max(0.01, math.ceil(100 * peak_pair_tokens * self.ep_size / balanced) / 100)
         while True:  # the estimate ignores rounding; step up until the real budget fits
             pair = static_budget(
-                self.config, num_tokens, self.ep_size, self.rank_budget, capacity_factor=factor
+                self.config, num_tokens, self.ep_size, rule, capacity_factor=factor
             )[1]
             if pair >= peak_pair_tokens:
                 return factor
@@ -275,10 +369,15 @@ class StaticBudgetDispatcher(nn.Module):
         if idx_NK.dtype.is_floating_point or idx_NK.dtype == torch.bool:
             raise TypeError(f"indices must be an integer tensor, got {idx_NK.dtype}")
 
-    def _exchange(self, t: torch.Tensor, differentiable: bool) -> torch.Tensor:
+    def _exchange(self, t: torch.Tensor, routed: torch.Tensor | None) -> torch.Tensor:
+        """``t`` over the all-to-all, counted; differentiable unless it is metadata
+        (``routed=None``)."""
         if self.group is None or self.ep_size == 1:
             return t
-        return _AllToAll.apply(t, self.group) if differentiable else _all_to_all(t, self.group)
+        if routed is None:
+            self._count(t, None)
+            return _all_to_all(t, self.group)
+        return _AllToAll.apply(t, self.group, self, routed)
 
     def _dropless_capacity(self, demand_P: torch.Tensor) -> int:
         """Largest pair count over the group: the one host read of the dropless mode."""
@@ -344,12 +443,13 @@ class StaticBudgetDispatcher(nn.Module):
         if dropless:
             cap = self._dropless_capacity(demand_P)
         else:
-            self.budget_tokens, cap = static_budget(
+            self.budget_tokens = static_budget(
                 self.config, n, p, self.rank_budget, capacity_factor=self._capacity_factor
-            )
-            self.pair_capacity = cap
+            )[0]
+            cap = self.pair_capacity = self.wire_capacity(n)
         self.last_num_tokens = n
         rows = p * cap
+        routed = a - unsent_A.sum()  # what a dropless, variable-split exchange would send
         keep_A = (pos_A < cap) & ~unsent_A
         slot_A = torch.where(keep_A, dest_A * cap + pos_A, rows)
         if not dropless:
@@ -373,9 +473,9 @@ class StaticBudgetDispatcher(nn.Module):
         # The pair's demand rides along as an extra column: the receiver learns its peak load.
         meta_PC = torch.cat([e_A.index_select(0, src_S).view(p, cap), demand_P.view(p, 1)], 1)
 
-        recv_SH = self._exchange(send_SH, differentiable=True)
-        recv_S = self._exchange(send_S, differentiable=True)
-        meta_PC = self._exchange(meta_PC, differentiable=False)
+        recv_SH = self._exchange(send_SH, routed)
+        recv_S = self._exchange(send_S, routed)
+        meta_PC = self._exchange(meta_PC, None)
         expert_S = meta_PC[:, :cap].reshape(rows)
         torch.maximum(self.peak_tokens, meta_PC[:, cap].sum(), out=self.peak_tokens)
 
@@ -386,13 +486,14 @@ class StaticBudgetDispatcher(nn.Module):
         tokens_per_expert_L = counts.scatter_add_(0, expert_S, torch.ones_like(expert_S))[:local]
         permuted_TH = recv_SH.index_select(0, order_S)
         permuted_T = recv_S.index_select(0, order_S)
-        out_rows = rows
+        out_rows = self.budget_tokens  # static: the expert buffer, the wire's rows padded to it
         if dropless:
             out_rows = int(tokens_per_expert_L.sum())  # host read: dropless mode only
             out_rows = round_up(out_rows, self.config.budget_block)  # MXFP8: whole scale blocks
+        if out_rows != rows:
             permuted_TH = _resize_rows(permuted_TH, out_rows)
             permuted_T = _resize_rows(permuted_T, out_rows)
-        handle = DispatchHandle(n, k, hidden, rows, out_rows, slot_A, inverse_S, dropless)
+        handle = DispatchHandle(n, k, hidden, rows, out_rows, slot_A, inverse_S, dropless, routed)
         return permuted_TH, tokens_per_expert_L, permuted_T, handle
 
     # --------------------------------------------------------------------------------- combine
@@ -406,9 +507,10 @@ class StaticBudgetDispatcher(nn.Module):
                 f"expert output must be [{h.num_out_rows}, {h.hidden}] like the dispatched "
                 f"rows, got {tuple(expert_out_TH.shape)}"
             )
-        # Dropless: the stripped padding comes back as zeros (or MXFP8 padding is cut).
+        # Static: the expert buffer's padding past the wire's rows is cut. Dropless: the stripped
+        # padding comes back as zeros (or MXFP8 padding is cut).
         out_SH = _resize_rows(expert_out_TH, h.rows)
-        back_SH = self._exchange(out_SH.index_select(0, h.inverse_S), differentiable=True)
+        back_SH = self._exchange(out_SH.index_select(0, h.inverse_S), h.routed)
         back_SH = torch.cat([back_SH, back_SH.new_zeros(1, h.hidden)])  # row S: dropped
         y_AH = back_SH.index_select(0, h.slot_A)
         return y_AH.view(h.num_tokens, h.topk, h.hidden).sum(1)
@@ -417,5 +519,5 @@ class StaticBudgetDispatcher(nn.Module):
         return (
             f"ep_size={self.ep_size}, ep_rank={self.ep_rank}, local_experts="
             f"{self.num_local_experts}, capacity_factor={self.capacity_factor}, "
-            f"dropless={self.dropless}"
+            f"a2a_capacity_factor={self.a2a_capacity_factor}, dropless={self.dropless}"
         )

@@ -28,7 +28,14 @@ result equals that of a run that never overflowed. Per step the runner:
    hold, or than they hold / ``grow_headroom`` (and after the capture step, those smaller than
    its observed peak x headroom), from the reduced figures alone: every rank decides the same,
    and the next step reallocates, agreed across each expert-parallel group (docs/design.md,
-   "Pool sizing as routing drifts").
+   "Pool sizing as routing drifts");
+6. with ``grow_capacity`` (the default), raises the dispatchers' wire budget
+   (``a2a_capacity_factor``) the same way: to the factor whose pair capacity holds the step's
+   largest pair demand (reduced over the group) x ``capacity_headroom``, after the capture step,
+   after a step over budget, and after a step that left less than the headroom; never past the
+   expert buffer's factor nor ``max_capacity_factor`` (:class:`CapacityLimitError` when a step
+   needed more than that limit). ``StepRecord.capacity_growth`` says from, to and why
+   (docs/design.md, "The wire").
 
 With ``record_routing=True`` the runner also records, for ``te-paged plan``, every MoE layer's
 tokens per expert on every rank of the expert-parallel group (one ``all_gather`` and one host
@@ -78,6 +85,7 @@ from te_paged.stash.buffer import MAX_KEYS, key_code, key_from_code
 from te_paged.telemetry import nvtx_range
 
 __all__ = [
+    "CapacityLimitError",
     "FallbackLimitError",
     "InvalidCountsError",
     "PagedStashRunner",
@@ -98,6 +106,11 @@ _GROWTH_WHY = {
     "headroom": "a rank's step left less than the headroom free",
 }
 _SLOT = _HEAD + _PER_KEY * _MAX_KEYS  # one rank's entries in the per-step reduction
+_CAPACITY_WHY = {
+    "capture": "the capture step's largest pair demand x capacity_headroom did not fit the wire",
+    "over budget": "a rank went over the wire budget",
+    "headroom": "a rank's largest pair demand left less than capacity_headroom free",
+}
 
 
 logger = logging.getLogger(__name__)
@@ -109,6 +122,10 @@ class FallbackLimitError(RuntimeError):
 
 class PoolLimitError(RuntimeError):
     """A stash overflow needs a pool larger than the runner's ``max_pool_bytes`` allows."""
+
+
+class CapacityLimitError(RuntimeError):
+    """A step needed a wire budget larger than the runner's ``max_capacity_factor`` allows."""
 
 
 @dataclasses.dataclass
@@ -144,6 +161,17 @@ class StepRecord:
     # pages, "needed": pages, "why": "capture" | "overflow" | "headroom"}; the next step
     # allocates them (see PagedStashRunner).
     pool_growth: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    # The dispatchers' wire budget in this step: a2a_capacity_factor and the pair capacity C
+    # (rows one rank sends another); the largest pair demand over ranks and layers.
+    a2a_capacity_factor: float | None = None
+    pair_capacity: int = 0
+    peak_pair_tokens: int = 0
+    # The wire budget raised after this step (grow_capacity): {"from": factor, "to": factor,
+    # "needed": the factor that just held the step, "why": "capture" | "over budget" |
+    # "headroom"}; the next dispatch uses it. Empty: unchanged.
+    capacity_growth: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Bytes this rank handed the all-to-alls in the step, every attempt (docs/run-record.md).
+    bytes_sent: int = 0
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -196,6 +224,7 @@ class PagedStashRunner:
 
     ``PagedStashRunner(model, manager=None, *, group=None, max_consecutive_fallbacks=3,
     grow_pool=True, grow_headroom=1.10, per_rank_pools=False, max_pool_bytes=None,
+    grow_capacity=True, capacity_headroom=1.05, max_capacity_factor=None,
     measure_fallback_memory=True, record_routing=False, before_rerun=None)``.
     ``model`` (a module or a list of model chunks) is searched for
     :class:`~te_paged.moe.participant.PagedStashParticipant` modules: their stash managers and
@@ -221,6 +250,12 @@ class PagedStashRunner:
     ``per_rank_pools`` lets each rank size its own. ``max_pool_bytes`` bounds one rank's device
     pools in all: an overflow whose step needed more raises :class:`PoolLimitError` on every
     rank (before any rerun), and growth's headroom is dropped where it would pass the bound.
+
+    Wire sizing: with ``grow_capacity`` (the default) the dispatchers' ``a2a_capacity_factor``
+    keeps the largest pair demand seen x ``capacity_headroom`` (module docstring, item 6), up to
+    the expert buffer's ``capacity_factor``; ``max_capacity_factor`` is a lower limit of the
+    user's, past which a step's need raises :class:`CapacityLimitError` on every rank (before
+    any rerun). ``grow_capacity=False`` keeps the wire where the config put it.
     """
 
     def __init__(
@@ -234,6 +269,9 @@ class PagedStashRunner:
         grow_headroom: float = 1.10,
         per_rank_pools: bool = False,
         max_pool_bytes: int | None = None,
+        grow_capacity: bool = True,
+        capacity_headroom: float = 1.05,
+        max_capacity_factor: float | None = None,
         measure_fallback_memory: bool = True,
         record_routing: bool = False,
         before_rerun: Callable[[], None] | None = None,
@@ -246,6 +284,14 @@ class PagedStashRunner:
         require_bool("grow_pool", grow_pool)
         self.grow_headroom = require_real("grow_headroom", grow_headroom, 1.0)
         require_bool("per_rank_pools", per_rank_pools)
+        require_bool("grow_capacity", grow_capacity)
+        self.grow_capacity = grow_capacity
+        self.capacity_headroom = require_real("capacity_headroom", capacity_headroom, 1.0)
+        if max_capacity_factor is not None:
+            max_capacity_factor = require_real(
+                "max_capacity_factor", max_capacity_factor, 0.0, strict=True
+            )
+        self.max_capacity_factor = max_capacity_factor
         if max_pool_bytes is not None:
             require_int("max_pool_bytes", max_pool_bytes, minimum=1)
         if timeout is not None and not isinstance(timeout, datetime.timedelta):
@@ -487,7 +533,13 @@ class PagedStashRunner:
         for manager in self.managers:
             manager.reset()
         self._zero_counters()
+        for d in self.dispatchers:
+            d.reset_traffic()
         self._route_calls.clear()
+
+    def _bytes_sent(self) -> int:
+        """This rank's all-to-all bytes since the step began (host ints: no read)."""
+        return sum(d.bytes_sent for d in self.dispatchers)
 
     def _zero_counters(self) -> None:
         """The dispatchers' counters and the layers' invalid-count flags, zeroed in place."""
@@ -537,6 +589,8 @@ class PagedStashRunner:
         record = self._record(flag_ranks, per_rank, forward_only)
         if capturing and self.grow_pool and not forward_only:
             self._grow_after_capture(record)
+        if capturing and not forward_only:
+            self._size_capacity(record, "capture")
         if record.will_retry:
             self._before_fallback(record, flag_ranks, per_rank, forward_only)
             result = self._fallback(step_fn, state, record, per_rank)
@@ -544,8 +598,11 @@ class PagedStashRunner:
             self.consecutive_fallbacks = 0
             if self.grow_pool and record.enabled and not capturing:
                 self._grow_ahead(record, per_rank)
+            if not capturing:
+                self._size_capacity(record, "headroom")
             if record.host_spill_ranks:
                 self._log(logging.INFO, self._spill_message(record, flag_ranks[2], len(per_rank)))
+        record.bytes_sent = self._bytes_sent()
         if self.record_routing:
             self._gather_routing()
         self.step_index += 1
@@ -560,6 +617,7 @@ class PagedStashRunner:
         """The step's :class:`StepRecord` from the reduced flags and figures (attempt 1)."""
         overflow, overbudget, spill = (len(ranks) for ranks in flag_ranks)
         budget, balanced = self._budget()
+        wire = self._wire()
         hwm: dict[str, int] = {}
         demand: dict[str, int] = {}
         for r in per_rank:  # every key any rank holds: max over the ranks with it
@@ -587,6 +645,9 @@ class PagedStashRunner:
             budget_tokens=budget,
             balanced_tokens=balanced,
             pool_demand_pages=demand,
+            a2a_capacity_factor=None if wire is None else wire.a2a_capacity_factor,
+            pair_capacity=0 if wire is None else wire.pair_capacity,
+            peak_pair_tokens=max((r.peak_pair_tokens for r in per_rank), default=0),
         )
 
     def _grow_after_capture(self, record: StepRecord) -> None:
@@ -604,10 +665,12 @@ class PagedStashRunner:
         """A step will rerun: the factors that would have fitted, the pool bound, the runaway
         guard (training only), the count, and the warning, said before the rerun so that it is
         seen even if the dropless rerun runs out of memory."""
-        self._suggest(record, max((r.peak_pair_tokens for r in per_rank), default=0), per_rank)
+        self._suggest(record, record.peak_pair_tokens, per_rank)
         overflow, overbudget = record.stash_overflow_ranks, record.overbudget_ranks
         if overflow and self.max_pool_bytes is not None and not forward_only:
             self._check_pool_bound(record, per_rank)
+        if overbudget and not forward_only:
+            self._size_capacity(record, "over budget")
         if self.consecutive_fallbacks >= self.max_consecutive_fallbacks and not forward_only:
             fits = [
                 f"{name} to >= {value}"
@@ -706,11 +769,59 @@ class PagedStashRunner:
             d = self.dispatchers[0]
             # The dispatcher's budget is per (source, destination) pair: size from that peak.
             fit = d.fitting_capacity_factor(
-                d.last_num_tokens, math.ceil(peak_pair_tokens * _MARGIN)
+                d.last_num_tokens, math.ceil(peak_pair_tokens * _MARGIN), expert_buffer=True
             )
             record.suggested_capacity_factor = fit
         if record.stash_overflow_ranks:
             record.suggested_buffer_size_factor_cuda = self._fitting_pool_factor(record, per_rank)
+
+    def _wire(self) -> StaticBudgetDispatcher | None:
+        """The first dispatcher with a wire budget (the group's ranks send blocks), if any."""
+        return next(
+            (d for d in self.dispatchers if d.a2a_capacity_factor is not None and d.ep_size > 1),
+            None,
+        )
+
+    def _size_capacity(self, record: StepRecord, why: str) -> None:
+        """Raise every dispatcher's wire to the factor that holds the step's largest pair demand
+        (``record.peak_pair_tokens``, reduced over the ranks: all decide alike, no collective)
+        x ``capacity_headroom``, if that is above the wire's factor; bounded by the expert
+        buffer's factor and ``max_capacity_factor``. Records and logs a change."""
+        wire = self._wire()
+        if not self.grow_capacity or wire is None or not wire.last_num_tokens:
+            return
+        n, peak = wire.last_num_tokens, record.peak_pair_tokens
+        needed = wire.fitting_capacity_factor(n, peak)
+        limit = self.max_capacity_factor
+        if limit is not None and needed > limit:
+            raise CapacityLimitError(
+                f"step {record.step}: a rank sent up to {peak} rows to one rank, which needs "
+                f"a2a_capacity_factor >= {needed}, more than max_capacity_factor={limit} allows "
+                f"({n} tokens per rank, top-{wire.config.moe_router_topk}, {wire.ep_size} "
+                "ranks): raise max_capacity_factor, or balance the routing (the router's aux "
+                "loss)"
+            )
+        want = wire.fitting_capacity_factor(n, math.ceil(peak * self.capacity_headroom))
+        ceiling = min(d.capacity_factor for d in self.dispatchers if d.capacity_factor)
+        if limit is not None:
+            ceiling = min(ceiling, limit)
+        want = min(want, ceiling)
+        old = wire.a2a_capacity_factor
+        if want <= old or wire.fitting_capacity_factor(n, wire.pair_capacity) >= want:
+            return  # the wire already holds it (its rounding may give more than its factor)
+        for d in self.dispatchers:
+            if d.a2a_capacity_factor is not None:
+                d.set_a2a_capacity_factor(min(want, d.capacity_factor))
+        record.capacity_growth = {"from": old, "to": want, "needed": needed, "why": why}
+        self._log(
+            logging.INFO,
+            f"PagedStashRunner: step {record.step}: {_CAPACITY_WHY[why]} (largest pair demand "
+            f"{peak} rows, pair capacity {record.pair_capacity}), so a2a_capacity_factor rises "
+            f"{old:g} -> {want:g} (needed {needed:g} x capacity_headroom "
+            f"{self.capacity_headroom:g}"
+            + (", capped at the expert buffer's factor" if want == ceiling else "")
+            + "); the next dispatch sends the larger blocks",
+        )
 
     def _page_bytes(self, key: StashKey) -> int:
         manager = self.managers[0]
@@ -821,6 +932,8 @@ class PagedStashRunner:
                 ", ".join(record.unrestored_state),
             )
         self.clear_gradients()
+        for d in self.dispatchers:  # the dropless reference: the kept attempt's routing
+            d.reset_traffic(sent=False)
         if self.grow_pool and record.stash_overflow_ranks and record.enabled:
             self._grow(record, per_rank[self._world()[0]].demand(), "overflow")
         for manager in self.managers:

@@ -26,6 +26,7 @@ from te_paged.runtime.memory import (
     reload_adjusted_saving,
 )
 from te_paged.runtime.planner import RoutingProfile
+from te_paged.moe import StaticBudgetDispatcher
 from te_paged.runtime.runner import PagedStashRunner, StepRecord
 from te_paged.stash import PagedStashManager, StashMode
 from te_paged.tools.model import ModelConfig, ToyMoEModel, make_batch
@@ -63,6 +64,11 @@ class StepResult:
     s_bytes: int = 0  # S after the step (see the module docstring); 0 while no pool exists
     stashes: int = 0  # this rank's stash copies and pops in attempt 1 (a rerun stashes none)
     pops: int = 0
+    #: This rank's all-to-all bytes in the step (dispatch and combine, forward and backward,
+    #: every attempt), and what a dropless, variable-split exchange of the kept attempt's
+    #: routing would have sent (te_paged.moe.dispatcher, "Bytes on the wire").
+    bytes_sent: int = 0
+    dropless_bytes: int = 0
 
 
 @dataclasses.dataclass
@@ -147,6 +153,26 @@ class ABResult:
             "measured_over_predicted": saving / predicted if predicted > 0 else None,
             "reload_adjusted_saving_bytes": adjusted,
             "measured_over_reload_adjusted": saving / adjusted if adjusted > 0 else None,
+        }
+
+    def wire(self) -> dict[str, int | float | None] | None:
+        """The all-to-all bytes of one step, max over ranks: ON's and OFF's sent at the measured
+        step (the last step without one), the dropless reference of the same routing, and
+        each's ratio to it; None when no rank exchanged anything (one rank)."""
+        if not any(s.bytes_sent for r in self.ranks for s in r.on + r.off):
+            return None
+        steps = {r.memory_step for r in self.ranks}
+        step = steps.pop() if len(steps) == 1 and None not in steps else -1
+        on = max(r.on[step].bytes_sent for r in self.ranks)
+        off = max(r.off[step].bytes_sent for r in self.ranks)
+        ref = max(r.off[step].dropless_bytes for r in self.ranks)
+        return {
+            "step": step % len(self.ranks[0].on),
+            "on_bytes": on,
+            "off_bytes": off,
+            "dropless_bytes": ref,
+            "on_over_dropless": on / ref if ref else None,
+            "off_over_dropless": off / ref if ref else None,
         }
 
     def live_layers(self, stage: int) -> int:
@@ -250,10 +276,12 @@ def step_result(
     peak_bytes: int,
     capture: bool,
     managers: list[PagedStashManager],
+    dispatchers: list[StaticBudgetDispatcher] = (),
 ) -> StepResult:
-    """One step's :class:`StepResult` from the runner's record and the managers as they are
-    after the step (pool, ``S``, stash copies and pops)."""
+    """One step's :class:`StepResult` from the runner's record and the managers and
+    dispatchers as they are after the step (pool, ``S``, stash copies and pops, bytes)."""
     pool, s_bytes = pool_and_s_bytes(managers)
+    dropless = sum(int(d.dropless_bytes) for d in dispatchers)  # a host read: after the step
     stats = [m.stats() for m in managers]
     return StepResult(
         float(loss),
@@ -270,6 +298,8 @@ def step_result(
         s_bytes,
         sum(s.stashes for s in stats),
         sum(s.pops for s in stats),
+        record.bytes_sent,
+        dropless,
     )
 
 
@@ -326,7 +356,11 @@ def _run(
         method = meter.method or method
         grads.append(_grad_vector(model))
         norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads[-1]]))
-        steps.append(step_result(loss, norm, record, meter.peak_bytes, capture, managers))
+        steps.append(
+            step_result(
+                loss, norm, record, meter.peak_bytes, capture, managers, runner.dispatchers
+            )
+        )
         if progress is not None:
             progress(f"{'ON ' if paged else 'OFF'} step {step + 1}/{cfg.steps}")
     return steps, grads, model, runner, method
@@ -409,6 +443,10 @@ def gather(result: RankResult, cfg: ModelConfig, group: dist.ProcessGroup | None
 
 def _mib(b: float) -> str:
     return f"{b / 2**20:.2f} MiB"
+
+
+def _ratio(ratio: float | None) -> str:
+    return "n/a" if ratio is None else f"{ratio:.2f}x"
 
 
 def _percent(ratio: float | None) -> str:
@@ -495,6 +533,15 @@ def format_table(result: ABResult) -> str:
                 for stage, sm in enumerate(result.memory_per_stage() or [])
                 if sm is not None
             ),
+            "",
+        ]
+    wire = result.wire()
+    if wire is not None:
+        rows += [
+            f"All-to-all bytes per rank, step {wire['step']} (dispatch and combine, forward "
+            f"and backward; max over ranks): ON {_mib(wire['on_bytes'])}, OFF "
+            f"{_mib(wire['off_bytes'])}, dropless reference {_mib(wire['dropless_bytes'])}: "
+            f"ON {_ratio(wire['on_over_dropless'])} the dropless bytes.",
             "",
         ]
     rows += [

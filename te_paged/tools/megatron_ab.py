@@ -356,7 +356,13 @@ class _MegatronsRunner:
         #: Per step, the managers' statistics as the step left them: the adapter resets them
         #: when Megatron's runner keeps the step, after its ``on_record``.
         self.stats: list[list] = []
-        loop.on_record = lambda record: self.stats.append([m.stats() for m in self.managers])
+        #: Per step, the dispatchers' dropless reference bytes, read before that reset too.
+        self.dropless_bytes: list[int] = []
+        loop.on_record = self._on_record
+
+    def _on_record(self, record: object) -> None:
+        self.stats.append([m.stats() for m in self.managers])
+        self.dropless_bytes.append(sum(int(d.dropless_bytes) for d in self.loop.dispatchers))
 
     def __call__(self, *, iteration: int | None = None, **kwargs: object):
         result = self.megatron_runner(**kwargs)
@@ -499,10 +505,14 @@ def train(
         )
         # Only the last pipeline stage computes the loss; the others report NaN (null in JSON).
         loss = torch.stack([x["lm loss"] for x in losses]).mean() if losses else torch.nan
-        result = step_result(loss, grad_norm, record, meter.peak_bytes, capture, runner.managers)
+        dispatchers = [] if isinstance(runner, _MegatronsRunner) else runner.dispatchers
+        result = step_result(
+            loss, grad_norm, record, meter.peak_bytes, capture, runner.managers, dispatchers
+        )
         if isinstance(runner, _MegatronsRunner):  # the managers were reset after the step
             stats = runner.stats[-1]
             result.stashes, result.pops = sum(s.stashes for s in stats), sum(s.pops for s in stats)
+            result.dropless_bytes = runner.dropless_bytes[-1]
         run.steps.append(result)
         run.memory_method = meter.method or run.memory_method
         run.pool_bytes.append(run.steps[-1].pool_bytes)

@@ -64,6 +64,7 @@ def build_record(result: ABResult, engine: str, command: list[str]) -> dict[str,
         **dataclasses.asdict(result),
         "memory": result.memory(),
         "memory_per_stage": result.memory_per_stage(),
+        "wire": result.wire(),
     }
     return _finite(record)
 

@@ -311,7 +311,11 @@ def train(
                 run.params.append([_local(p).detach().cpu().clone() for p in params])
                 loss = torch.stack([x.detach().float() for x in trainer.last_losses]).sum()
                 peak = meter.peak_bytes
-                run.steps.append(step_result(loss, norm, record, peak, capture, runner.managers))
+                run.steps.append(
+                    step_result(
+                        loss, norm, record, peak, capture, runner.managers, runner.dispatchers
+                    )
+                )
                 run.memory_method = meter.method or run.memory_method
                 if progress is not None:
                     progress(f"torchtitan {'ON ' if paged else 'OFF'} step {step + 1}/{cfg.steps}")

@@ -13,6 +13,14 @@ Cases, each checked per rank in the parent from what the ranks saved:
    same rows in the same order: (source rank, token, k) is the global token order); the
    router weight gradient to a stated tolerance (a sum of 4 per-rank GEMMs vs one GEMM over
    all tokens: a different fp32 reduction order).
+5. the wire below the expert buffer (``a2a_capacity_factor`` set to what the routing needs,
+   agreed by an ``all_reduce(MAX)``): the same outputs and gradients, bit for bit, as with the
+   wire at the expert buffer's factor, the expert buffer's shape unchanged, and the bytes
+   counted: ``4 exchanges × P·C`` rows (plus metadata) sent, the dropless reference ``4 ×``
+   the routed rows.
+
+Cases 1-4 set the wire to the expert buffer's factor (``moe_a2a_capacity_factor=2.0``): they
+test the per-pair budget at a stated factor.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ def make_config(ep: int, **kw) -> MoEConfig:
         "num_moe_experts": E,
         "moe_router_topk": K,
         "moe_expert_rank_capacity_factor": 2.0,
+        "moe_a2a_capacity_factor": 2.0,
         "expert_model_parallel_size": ep,
     }
     return MoEConfig(**{**base, **kw})
@@ -119,7 +128,21 @@ def _worker(rank: int, out_dir: str) -> None:
         # 4. unskewed EP=4 run for the EP=1 comparison (made in the parent).
         layer.router.set_skew(None)
         layer.dispatcher.reset_flags()
+        layer.dispatcher.reset_traffic()
         res["ep"] = {"x": x, "dy": dy, **run_layer(layer, x, dy), **counters(layer.dispatcher)}
+
+        # 5. the wire at what this routing needs (the group's peak pair), below the buffer.
+        disp = layer.dispatcher
+        peak = disp.peak_pair_tokens.clone()
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        wide = {"bytes": disp.bytes_sent, "rows": disp.pair_capacity * WORLD}
+        disp.reset_traffic()
+        disp.set_a2a_capacity_factor(disp.fitting_capacity_factor(N, int(peak)))
+        narrow = run_layer(layer, x, dy)
+        res["wire"] = {"out": narrow, **counters(disp), "factor": disp.a2a_capacity_factor,
+                       "rows": disp.pair_capacity * WORLD, "bytes": disp.bytes_sent,
+                       "dropless_bytes": int(disp.dropless_bytes), "wide": wide,
+                       "budget": disp.budget_tokens, "peak": int(peak)}  # fmt: skip
         torch.save(res, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -222,3 +245,21 @@ def test_ep4_equals_ep1(ranks) -> None:
     router = torch.stack([r["ep"]["router.weight"] for r in ranks]).sum(0)
     # Summing 4 per-rank GEMMs vs one GEMM over 96 tokens: fp32 reordering only.
     torch.testing.assert_close(router, ref["router.weight"], rtol=1e-5, atol=1e-7)
+
+
+def test_wire_below_the_expert_buffer_changes_only_the_bytes(ranks) -> None:
+    cfg = make_config(WORLD)
+    row = H * 4  # fp32 rows of x and of the expert output
+    for r in ranks:
+        wire, wide = r["wire"], r["ep"]
+        assert wire["over_budget"] == 0 and wire["budget"] == cfg.max_num_tokens(N)
+        assert wire["factor"] < 2.0 and wire["rows"] < wire["wide"]["rows"] == cfg.max_num_tokens(N)
+        assert wire["rows"] // WORLD >= wire["peak"]  # every pair fits
+        for name, value in wire["out"].items():  # y, dx and every gradient: bit for bit
+            assert torch.equal(value, wide[name]), name
+        # x and y: dispatch and combine, forward and backward; probs twice; one metadata.
+        meta = WORLD * (wire["rows"] // WORLD + 1) * 8
+        assert wire["bytes"] == wire["rows"] * (4 * row + 2 * 4) + meta
+        assert wire["dropless_bytes"] == N * K * (4 * row + 2 * 4)
+        wide_meta = WORLD * (wire["wide"]["rows"] // WORLD + 1) * 8
+        assert wire["wide"]["bytes"] == wire["wide"]["rows"] * (4 * row + 2 * 4) + wide_meta

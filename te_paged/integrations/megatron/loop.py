@@ -90,6 +90,8 @@ from te_paged.stash import StashMode
 if TYPE_CHECKING:
     from torch import nn
 
+    from te_paged.moe import StaticBudgetDispatcher
+
 __all__ = ["MegatronLoopAdapter"]
 
 logger = logging.getLogger(__name__)
@@ -191,6 +193,11 @@ class MegatronLoopAdapter:
     @property
     def layers(self) -> list[nn.Module]:
         return list(self._layers)
+
+    @property
+    def dispatchers(self) -> list[StaticBudgetDispatcher]:
+        """The static-budget dispatchers of the adapter's layers (their counters and bytes)."""
+        return self._engine_now().dispatchers
 
     def _engine_now(self) -> _Engine:
         if self._engine is None:
@@ -323,6 +330,11 @@ class MegatronLoopAdapter:
                 engine.consecutive_fallbacks = 0
                 if capturing and engine.grow_pool:
                     engine._grow_after_capture(record)
+        wire = engine._wire()
+        if wire is not None and record.a2a_capacity_factor is None:
+            record.a2a_capacity_factor = wire.a2a_capacity_factor
+            record.pair_capacity = wire.pair_capacity
+        record.bytes_sent = engine._bytes_sent()
         self._rerun.close()
         self._rerun = contextlib.ExitStack()
         self._record = None

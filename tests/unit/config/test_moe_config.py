@@ -45,6 +45,7 @@ def test_defaults() -> None:
         "moe_use_grouped_tensor": True,
         "use_transformer_engine_op_fuser": False,
         "moe_expert_rank_capacity_factor": None,
+        "moe_a2a_capacity_factor": None,
         "moe_paged_stash": False,
         "moe_paged_stash_page_size": 64,
         "moe_paged_stash_buffer_size_factor_cuda": 1.10,
@@ -531,3 +532,15 @@ def test_activation_fp8_input_store_needs_an_fp8_recipe() -> None:
     with pytest.raises(ValueError, match="activation_func_fp8_input_store=True needs an FP8"):
         MoEConfig(activation_func_fp8_input_store=True)
     assert MoEConfig(fp8="tensorwise", activation_func_fp8_input_store=True).fp8 == "tensorwise"
+
+
+def test_a2a_capacity_factor_defaults_below_the_expert_buffer_and_never_above_it() -> None:
+    assert MoEConfig().a2a_capacity_factor is None  # no static budget, no wire budget
+    assert MoEConfig(moe_expert_rank_capacity_factor=2.0).a2a_capacity_factor == 1.25
+    assert MoEConfig(moe_expert_rank_capacity_factor=1.1).a2a_capacity_factor == 1.1
+    cfg = MoEConfig(moe_expert_rank_capacity_factor=2.0, moe_a2a_capacity_factor=1.6)
+    assert cfg.a2a_capacity_factor == 1.6
+    with pytest.raises(ValueError, match=r"moe_a2a_capacity_factor=2.5 is larger than"):
+        MoEConfig(moe_expert_rank_capacity_factor=2.0, moe_a2a_capacity_factor=2.5)
+    with pytest.raises(ValueError, match=r"moe_a2a_capacity_factor must be None or a finite"):
+        MoEConfig(moe_expert_rank_capacity_factor=2.0, moe_a2a_capacity_factor=0.0)

@@ -36,6 +36,10 @@ class FakeDispatcher:
         self.config = types.SimpleNamespace(moe_router_topk=2)
         self.dropless = False
         self.force_over_budget = False
+        self.bytes_sent, self.a2a_capacity_factor, self.ep_size = 0, None, 1  # no wire
+
+    def reset_traffic(self, *, sent: bool = True) -> None:
+        self.bytes_sent = 0
 
     @contextlib.contextmanager
     def dropless_block(self):
@@ -51,7 +55,9 @@ class FakeDispatcher:
         self.peak_tokens.zero_()
         self.peak_pair_tokens.zero_()
 
-    def fitting_capacity_factor(self, num_tokens: int, peak_pair_tokens: int) -> float:
+    def fitting_capacity_factor(
+        self, num_tokens: int, peak_pair_tokens: int, *, expert_buffer: bool = False
+    ) -> float:
         return round(peak_pair_tokens / (num_tokens * 2), 2)
 
 
