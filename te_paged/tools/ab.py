@@ -20,13 +20,13 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from te_paged.moe import StaticBudgetDispatcher
 from te_paged.runtime.memory import (
     PeakMemoryMeter,
     capacity_model_saving,
     reload_adjusted_saving,
 )
 from te_paged.runtime.planner import RoutingProfile
-from te_paged.moe import StaticBudgetDispatcher
 from te_paged.runtime.runner import PagedStashRunner, StepRecord
 from te_paged.stash import PagedStashManager, StashMode
 from te_paged.tools.model import ModelConfig, ToyMoEModel, make_batch
@@ -357,9 +357,7 @@ def _run(
         grads.append(_grad_vector(model))
         norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads[-1]]))
         steps.append(
-            step_result(
-                loss, norm, record, meter.peak_bytes, capture, managers, runner.dispatchers
-            )
+            step_result(loss, norm, record, meter.peak_bytes, capture, managers, runner.dispatchers)
         )
         if progress is not None:
             progress(f"{'ON ' if paged else 'OFF'} step {step + 1}/{cfg.steps}")
