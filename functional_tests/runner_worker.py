@@ -4,7 +4,8 @@
 
 Each rank writes ``DIR/rank{r}.json`` with its observations; ``test_runner_multirank.py``
 launches this and asserts on them. Every case builds fresh models from seeds, so cases cannot
-leak state into each other.
+leak state into each other. Cases 1-7 put the all-to-all's wire budget at the expert buffer's
+factor (they test the per-pair budget at a stated factor); case 8 tests the wire's own.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from te_paged.runtime import FallbackLimitError, PagedStashRunner
+from te_paged.runtime import CapacityLimitError, FallbackLimitError, PagedStashRunner
 from te_paged.runtime.planner import RoutingProfile, recommend
 from te_paged.tools.model import ModelConfig, ToyMoEModel, make_batch
 
@@ -49,6 +50,8 @@ def train(
     capture_at_factor: bool = False,
     **runner_kw: object,
 ) -> dict:
+    if cfg.a2a_capacity_factor is None:  # cases 1-7: the wire at the expert buffer's factor
+        cfg = dataclasses.replace(cfg, a2a_capacity_factor=cfg.capacity_factor)
     group = dist.group.WORLD
     rank = dist.get_rank()
     model = ToyMoEModel(cfg, paged=paged, group=group)
@@ -82,8 +85,8 @@ def train(
         runner.grow_pool = grow and not (capture_at_factor and step == 0)
         try:
             loss, record = runner.step(fn)
-        except FallbackLimitError as e:
-            out["raised"] = str(e)
+        except (FallbackLimitError, CapacityLimitError) as e:
+            out["raised"] = f"{type(e).__name__}: {e}"
             break
         runner.grow_pool = grow
         runner.grow_pool = grow
@@ -210,6 +213,23 @@ def main(argv: list[str] | None = None) -> int:
             "lower": lower,
             "at_exact": at["exact"],
             "at_lower": at["lower"],
+        }
+        # 8. the wire below the expert buffer: from a2a_capacity_factor 1.0 the runner raises
+        #    it after the step that went over it; without grow_capacity every step reruns; a
+        #    need past max_capacity_factor raises on every rank
+        narrow = dataclasses.replace(BASE, a2a_capacity_factor=1.0, steps=4)
+        wide = dataclasses.replace(BASE, steps=4)  # the wire at the expert buffer's factor
+        wire_ref = train(dataclasses.replace(narrow, capacity_factor=2.0), paged=False,
+                         dropless=True)  # fmt: skip
+        sized = train(narrow, paged=True)
+        fixed = train(narrow, paged=True, grow_capacity=False, max_fallbacks=10)
+        res["wire"] = {
+            "sized": summary(sized),
+            "fixed": summary(fixed),
+            "wide": summary(train(wide, paged=True)),
+            "sized_equals_reference": same(sized, wire_ref),
+            "fixed_equals_reference": same(fixed, wire_ref),
+            "limited": summary(train(narrow, paged=True, max_capacity_factor=1.05)),
         }
     finally:
         (args.out / f"rank{rank}.json").write_text(json.dumps(res, default=str))

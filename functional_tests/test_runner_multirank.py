@@ -163,3 +163,44 @@ def test_ranks_with_different_pool_keys_reduce_one_layout_and_rerun_bitwise(rank
         local, union = set(on[-1]["pool_pages"]), set(on[-1]["pool_high_water_pages"])
         assert local < union, (rank, local, union)
         assert all(v > 0 for v in on[-1]["pool_high_water_pages"].values()), on[-1]
+
+
+def test_the_wire_sizes_itself_after_one_rerun_and_results_stay_exact(ranks) -> None:
+    for rank, res in enumerate(ranks):
+        case = res["wire"]
+        sized, fixed = case["sized"]["records"], case["fixed"]["records"]
+        assert case["sized_equals_reference"] and case["fixed_equals_reference"], rank
+        # a2a_capacity_factor 1.0: the first step goes over the wire, reruns, and the wire
+        # grows to what it needed x 1.05, agreed on every rank (same figures, same decision).
+        assert sized[0]["attempt"] == 2 and sized[0]["overbudget_ranks"] > 0, sized[0]
+        growth = sized[0]["capacity_growth"]
+        assert growth["why"] == "over budget" and growth["from"] == 1.0, growth
+        assert growth["to"] >= growth["needed"] > 1.0
+        assert growth == ranks[0]["wire"]["sized"]["records"][0]["capacity_growth"]
+        assert sized[1]["a2a_capacity_factor"] == growth["to"]
+        # Later, a step reruns only when its routing needs more than any step before (here
+        # step 3's largest pair demand jumps), once: the wire then holds it.
+        for i, rec in enumerate(sized[1:], 1):
+            seen = max(r["peak_pair_tokens"] for r in sized[:i])
+            if rec["attempt"] == 2:
+                assert rec["peak_pair_tokens"] > seen and rec["capacity_growth"], rec
+            else:
+                assert rec["peak_pair_tokens"] <= rec["pair_capacity"], rec
+        assert sum(r["attempt"] == 2 for r in sized) <= 2
+        factors = [r["a2a_capacity_factor"] for r in sized]
+        assert factors == sorted(factors)  # it only rises
+        # Without grow_capacity the wire stays at 1.0 and every step reruns.
+        assert all(r["capacity_growth"] == {} for r in fixed), fixed
+        assert all(r["attempt"] == 2 for r in fixed), fixed
+        # The narrower wire sends fewer bytes than the wire at the expert buffer's factor.
+        wide = case["wide"]["records"]
+        assert all(r["attempt"] == 1 for r in wide[1:])
+        assert sized[1]["bytes_sent"] < wide[1]["bytes_sent"]  # both kept attempt 1
+        assert sized[-1]["pair_capacity"] < wide[-1]["pair_capacity"]
+        # A need past max_capacity_factor: CapacityLimitError on every rank, before a rerun.
+        raised = case["limited"]["raised"]
+        assert (
+            raised.startswith("CapacityLimitError: step 0:")
+            and "max_capacity_factor=1.05" in raised
+        )
+        assert raised == ranks[0]["wire"]["limited"]["raised"]

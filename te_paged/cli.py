@@ -123,6 +123,16 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
         help=f"moe_expert_rank_capacity_factor: static expert buffer rows over the balanced "
         f"case ({dflt('capacity_factor')})",
     )
+    if engines:
+        g.add_argument(
+            "--a2a-capacity-factor",
+            type=real(0, strict_min=True),
+            metavar="F",
+            help="moe_a2a_capacity_factor: the rows te_paged's all-to-all sends each rank over "
+            "the balanced case, at most --capacity-factor; the runner raises it as routing "
+            "needs (default: --capacity-factor; not with the jax or torchtitan "
+            "engine)",
+        )
     _knob(
         g,
         "--buffer-factor-cuda",
@@ -186,6 +196,14 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
         "capture step, an overflow, or a step that left less headroom (default: on); "
         "--no-grow-pool keeps the pools as the buffer factors size them (not with the jax "
         "engine, whose pool is sized once)",
+    )
+    g.add_argument(
+        "--grow-capacity",
+        action=argparse.BooleanOptionalAction,
+        help="the runner's grow_capacity: the all-to-all's wire budget keeps the largest pair "
+        "demand seen x 1.05, raised after the capture step, a step over budget, or a step "
+        "that left less headroom (default: on); --no-grow-capacity keeps it at "
+        "--a2a-capacity-factor (not with the jax engine)",
     )
     e = p.add_argument_group(
         "engine (--engine megatron: a Megatron-core GPTModel; --engine jax: te_paged.jax; "

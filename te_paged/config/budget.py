@@ -18,17 +18,12 @@ import math
 from fractions import Fraction
 
 __all__ = [
-    "DEFAULT_A2A_CAPACITY_FACTOR",
     "balanced_rows",
     "exact",
     "rank_rows",
     "round_up",
     "split_rows",
 ]
-
-#: The wire budget's factor of te_paged's padded all-to-all when the config gives none (capped
-#: at the expert buffer's factor). Chosen from benchmarks/drift.py (docs/design.md, "The wire").
-DEFAULT_A2A_CAPACITY_FACTOR = 1.25
 
 
 def exact(value: float) -> Fraction:

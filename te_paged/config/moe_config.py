@@ -19,9 +19,9 @@ input tokens:
 te_paged's own dispatcher sends equal blocks over an all-to-all: each rank may send each rank at
 most `C = ceil(T × moe_router_topk × a2a_capacity_factor) / P` rows (its wire budget) and pads
 the received rows to the expert buffer's `max_num_tokens`, so `a2a_capacity_factor <=
-moe_expert_rank_capacity_factor`. `moe_a2a_capacity_factor=None` takes
-`min(DEFAULT_A2A_CAPACITY_FACTOR, moe_expert_rank_capacity_factor)`; the runner raises it as
-routing needs (docs/design.md, "The wire").
+moe_expert_rank_capacity_factor`. `moe_a2a_capacity_factor=None` (the default, for now) puts
+the wire at `moe_expert_rank_capacity_factor`; a smaller value narrows it and the runner raises it
+as routing needs (docs/design.md, "The wire").
 
 Both use the decimal value of the factor, not its binary float: with 100 tokens, top-2 and factor
 1.1 the budget is 220 rows (float math gives 221) and `avg_num_tokens(220)` is 200 (float `//`
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from te_paged.config.budget import DEFAULT_A2A_CAPACITY_FACTOR, balanced_rows, rank_rows
+from te_paged.config.budget import balanced_rows, rank_rows
 from te_paged.grouped.activations import (
     ACTIVATIONS,
     ActivationSpec,
@@ -239,14 +239,14 @@ class MoEConfig:
     @property
     def a2a_capacity_factor(self) -> float | None:
         """The wire budget's factor of te_paged's padded all-to-all (see the module docstring):
-        ``moe_a2a_capacity_factor``, or ``min(DEFAULT_A2A_CAPACITY_FACTOR,
-        moe_expert_rank_capacity_factor)`` when that is None; None without a rank factor."""
+        ``moe_a2a_capacity_factor``, or ``moe_expert_rank_capacity_factor`` when that is None;
+        None without a rank factor."""
         cf = self.moe_expert_rank_capacity_factor
         if cf is None:
             return None
         if self.moe_a2a_capacity_factor is not None:
             return self.moe_a2a_capacity_factor
-        return min(DEFAULT_A2A_CAPACITY_FACTOR, cf)
+        return cf
 
     def _require_capacity_factor(self, what: str) -> float:
         if self.moe_expert_rank_capacity_factor is None:

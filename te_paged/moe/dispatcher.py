@@ -13,7 +13,7 @@ config.max_num_tokens(N)`` (``N·K·cf`` rounded up, MXFP8 to 32, then to a mult
 32 if MXFP8 else 1)``): the static shape of everything the experts compute and save. The *wire*
 is smaller: ``all_to_all_single`` needs equal splits to stay sync-free, so every rank sends every
 rank a block of ``C`` rows, ``C = split_rows(N·K·a2a, P) / P`` with ``a2a =
-a2a_capacity_factor <= cf`` (default ``min(1.25, cf)``; the runner raises it as routing needs,
+a2a_capacity_factor <= cf`` (default ``cf``; set lower, the runner raises it as routing needs,
 up to ``cf``). An exchange moves ``P·C`` rows, not ``T``: about ``a2a ×`` the rows of a dropless
 exchange instead of ``cf ×``. The received ``P·C <= T`` rows are padded with zero rows to ``T``
 for the experts. The budget is *per (source, destination) pair*: an assignment whose position
@@ -60,7 +60,7 @@ import torch.distributed as dist
 from torch import nn
 
 from te_paged.config import MoEConfig
-from te_paged.config.budget import DEFAULT_A2A_CAPACITY_FACTOR, rank_rows, round_up, split_rows
+from te_paged.config.budget import rank_rows, round_up, split_rows
 from te_paged.config.checks import require_real
 from te_paged.moe.config_adapter import as_moe_config
 
@@ -189,8 +189,8 @@ class StaticBudgetDispatcher(nn.Module):
       (see the module docstring; :attr:`bytes_sent` is the host int of what was sent).
 
     ``capacity_factor`` sizes the expert buffer, ``a2a_capacity_factor`` the wire (default: the
-    config's :attr:`~te_paged.config.MoEConfig.a2a_capacity_factor`, or ``min(1.25,
-    capacity_factor)`` when ``capacity_factor`` is given here); :meth:`set_a2a_capacity_factor`
+    config's :attr:`~te_paged.config.MoEConfig.a2a_capacity_factor`, or ``capacity_factor``
+    when that is given here); :meth:`set_a2a_capacity_factor`
     changes the wire between steps (the runner's self-sizing).
     """
 
@@ -219,7 +219,7 @@ class StaticBudgetDispatcher(nn.Module):
         self._a2a: float | None = None
         if capacity_factor is not None:
             if a2a_capacity_factor is None:
-                a2a_capacity_factor = min(DEFAULT_A2A_CAPACITY_FACTOR, capacity_factor)
+                a2a_capacity_factor = capacity_factor
             self.set_a2a_capacity_factor(a2a_capacity_factor)
         #: Bytes this rank handed the all-to-all since :meth:`reset_traffic` (host int).
         self.bytes_sent = 0

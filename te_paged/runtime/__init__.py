@@ -1,6 +1,7 @@
 """Step runtime: the rerun-on-overflow runner."""
 
 from te_paged.runtime.runner import (
+    CapacityLimitError,
     FallbackLimitError,
     InvalidCountsError,
     PagedStashRunner,
@@ -11,6 +12,7 @@ from te_paged.runtime.runner import (
 )
 
 __all__ = [
+    "CapacityLimitError",
     "FallbackLimitError",
     "InvalidCountsError",
     "PagedStashRunner",

@@ -589,8 +589,8 @@ class PagedStashRunner:
         record = self._record(flag_ranks, per_rank, forward_only)
         if capturing and self.grow_pool and not forward_only:
             self._grow_after_capture(record)
-        if capturing and not forward_only:
-            self._size_capacity(record, "capture")
+        if capturing and not forward_only and not record.overbudget_ranks:
+            self._size_capacity(record, "capture")  # over budget: _before_fallback's
         if record.will_retry:
             self._before_fallback(record, flag_ranks, per_rank, forward_only)
             result = self._fallback(step_fn, state, record, per_rank)

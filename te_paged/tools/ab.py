@@ -331,6 +331,7 @@ def _run(
         model.manager,
         group=group,
         grow_pool=cfg.grow_pool,
+        grow_capacity=cfg.grow_capacity,
         measure_fallback_memory=False,
         record_routing=record_routing,  # a host read and a collective per step: OFF run only
     )

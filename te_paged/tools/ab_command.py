@@ -144,6 +144,10 @@ def _check_jax_args(args: argparse.Namespace) -> str | None:
         given.append("--activation")
     if getattr(args, "grow_pool", None) is not None:
         given.append("--grow-pool" if args.grow_pool else "--no-grow-pool")
+    if getattr(args, "grow_capacity", None) is not None:
+        given.append("--grow-capacity" if args.grow_capacity else "--no-grow-capacity")
+    if getattr(args, "a2a_capacity_factor", None) is not None:
+        given.append("--a2a-capacity-factor")
     if given:
         return f"{', '.join(given)}: not available with --engine jax"
     if args.device == "cuda":
@@ -166,6 +170,7 @@ def _check_torchtitan_args(args: argparse.Namespace) -> str | None:
         ("recompute", "--recompute"),
         ("op_fuser", "--op-fuser"),
         ("record_profile", "--record-profile"),
+        ("a2a_capacity_factor", "--a2a-capacity-factor"),
     ]
     refused += [(n, f"--{n.replace('_', '-')}") for n in _MEGATRON_ONLY
                 if n not in ("ep", "seq_length", "micro_batch_size")]  # fmt: skip

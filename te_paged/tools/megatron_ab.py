@@ -197,6 +197,7 @@ def _paged_stash_fields(cfg: MegatronModelConfig, paged: bool) -> dict[str, obje
     ``TransformerConfig``, as for Megatron's built-in stash), else keyword overrides."""
     return {
         "moe_expert_rank_capacity_factor": cfg.capacity_factor,
+        "moe_a2a_capacity_factor": cfg.a2a_capacity_factor,
         "moe_paged_stash": paged,
         "moe_paged_stash_page_size": cfg.page_size,
         "moe_paged_stash_buffer_size_factor_cuda": cfg.buffer_factor_cuda,
@@ -281,7 +282,9 @@ def _build(cfg: MegatronModelConfig, paged: bool, ep: int, device: torch.device,
     tcfg = _transformer_config(cfg, ep, native)
     # The MLP spec is replaced below: ask for the plain one (no deprecation notice).
     loop = MegatronLoopAdapter(
-        max_consecutive_fallbacks=cfg.max_consecutive_fallbacks, grow_pool=cfg.grow_pool
+        max_consecutive_fallbacks=cfg.max_consecutive_fallbacks,
+        grow_pool=cfg.grow_pool,
+        grow_capacity=cfg.grow_capacity,
     )
     if cfg.model == "hybrid":
         chunks = [_hybrid_model(cfg, tcfg, loop, device, overrides)]
@@ -337,6 +340,7 @@ def _build(cfg: MegatronModelConfig, paged: bool, ep: int, device: torch.device,
         optimizer,
         max_consecutive_fallbacks=cfg.max_consecutive_fallbacks,
         grow_pool=cfg.grow_pool,
+        grow_capacity=cfg.grow_capacity,
         per_rank_pools=cfg.per_rank_pools,
     )
     return ddp, optimizer, runner

@@ -34,6 +34,7 @@ class ModelConfig:
     ffn: int = 512
     tokens: int = 512  # per rank and step
     capacity_factor: float = 2.0
+    a2a_capacity_factor: float | None = None  # None: capacity_factor
     buffer_factor_cuda: float = 1.10
     buffer_factor_cpu: float = 0.0
     page_size: int = 64
@@ -45,6 +46,7 @@ class ModelConfig:
     seed: int = 0
     skew: float = 0.0  # logits added to expert 0 on rank 0 (0 = none): forces over-budget
     grow_pool: bool = True  # the runner's grow_pool (False: the pools as the factors size them)
+    grow_capacity: bool = True  # the runner's grow_capacity (False: the wire stays put)
     kernel_backend: str = "auto"
 
     def moe_config(self, ep_size: int, paged: bool) -> MoEConfig:
@@ -55,6 +57,7 @@ class ModelConfig:
             moe_router_topk=self.topk,
             activation=self.activation,
             moe_expert_rank_capacity_factor=self.capacity_factor,
+            moe_a2a_capacity_factor=self.a2a_capacity_factor,
             moe_paged_stash=paged,
             moe_paged_stash_page_size=self.page_size,
             moe_paged_stash_buffer_size_factor_cuda=self.buffer_factor_cuda,

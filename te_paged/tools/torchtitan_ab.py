@@ -263,6 +263,7 @@ def trainer_config(cfg: TorchtitanModelConfig, paged: bool, world: int, dump_fol
             moe_paged_stash_buffer_size_factor_cpu=cfg.buffer_factor_cpu,
             moe_paged_stash_kernel_backend=cfg.kernel_backend,
             grow_pool=cfg.grow_pool,
+            grow_capacity=cfg.grow_capacity,
             max_consecutive_fallbacks=cfg.max_consecutive_fallbacks,
         ),
     )

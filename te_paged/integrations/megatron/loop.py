@@ -114,10 +114,11 @@ class MegatronLoopAdapter:
     """te_paged's side of Megatron's own ``PagedStashRunner``; see the module docstring.
 
     ``MegatronLoopAdapter(*, max_consecutive_fallbacks=3, grow_pool=True, grow_headroom=1.10,
-    max_pool_bytes=None, keep_records=1000, on_record=None, log_interval=None,
-    restorables=())``: the options of :class:`~te_paged.integrations.megatron.
-    MegatronPagedStashRunner` that apply here; ``log_interval`` (training iterations; default
-    Megatron's ``--log-interval`` when its arguments are parsed, else no interval logging).
+    max_pool_bytes=None, grow_capacity=True, capacity_headroom=1.05, max_capacity_factor=None,
+    keep_records=1000, on_record=None, log_interval=None, restorables=())``: the options of
+    :class:`~te_paged.integrations.megatron.MegatronPagedStashRunner` that apply here;
+    ``log_interval`` (training iterations; default Megatron's ``--log-interval`` when its
+    arguments are parsed, else no interval logging).
     Give one to :func:`~te_paged.integrations.megatron.get_te_paged_moe_spec` (``loop=``) to
     set them or to read :attr:`records`; each spec builds its own otherwise (reach it from a
     layer as ``layer.loop``). Every layer built from the spec registers itself; the adapter
@@ -131,6 +132,9 @@ class MegatronLoopAdapter:
         grow_pool: bool = True,
         grow_headroom: float = 1.10,
         max_pool_bytes: int | None = None,
+        grow_capacity: bool = True,
+        capacity_headroom: float = 1.05,
+        max_capacity_factor: float | None = None,
         keep_records: int = 1000,
         on_record: Callable[[StepRecord], None] | None = None,
         log_interval: int | None = None,
@@ -142,6 +146,10 @@ class MegatronLoopAdapter:
         require_int("keep_records", keep_records, minimum=0)
         if max_pool_bytes is not None:
             require_int("max_pool_bytes", max_pool_bytes, minimum=1)
+        require_bool("grow_capacity", grow_capacity)
+        require_real("capacity_headroom", capacity_headroom, 1.0)
+        if max_capacity_factor is not None:
+            require_real("max_capacity_factor", max_capacity_factor, 0.0, strict=True)
         if log_interval is not None:
             require_int("log_interval", log_interval, minimum=1)
         self._options = {
@@ -149,6 +157,9 @@ class MegatronLoopAdapter:
             "grow_pool": grow_pool,
             "grow_headroom": grow_headroom,
             "max_pool_bytes": max_pool_bytes,
+            "grow_capacity": grow_capacity,
+            "capacity_headroom": capacity_headroom,
+            "max_capacity_factor": max_capacity_factor,
             "keep_records": keep_records,
         }
         self.on_record = on_record

@@ -56,6 +56,9 @@ class TePagedConfig(PagedStashConverter.Config):
     grow_headroom: float = 1.10
     per_rank_pools: bool = False
     max_pool_bytes: int | None = None
+    grow_capacity: bool = True
+    capacity_headroom: float = 1.05
+    max_capacity_factor: float | None = None
 
 
 class TorchtitanPagedStashRunner(PagedStashRunner):
@@ -136,6 +139,9 @@ class PagedStashTrainer(Trainer):
             grow_headroom=options.grow_headroom,
             per_rank_pools=options.per_rank_pools,
             max_pool_bytes=options.max_pool_bytes,
+            grow_capacity=options.grow_capacity,
+            capacity_headroom=options.capacity_headroom,
+            max_capacity_factor=options.max_capacity_factor,
         )
         self._groups: list[Any] | None = None  # this step's microbatch groups, read ahead
         self._losses: list[torch.Tensor] | None = None

@@ -534,10 +534,9 @@ def test_activation_fp8_input_store_needs_an_fp8_recipe() -> None:
     assert MoEConfig(fp8="tensorwise", activation_func_fp8_input_store=True).fp8 == "tensorwise"
 
 
-def test_a2a_capacity_factor_defaults_below_the_expert_buffer_and_never_above_it() -> None:
+def test_a2a_capacity_factor_defaults_to_the_expert_buffer_and_is_never_above_it() -> None:
     assert MoEConfig().a2a_capacity_factor is None  # no static budget, no wire budget
-    assert MoEConfig(moe_expert_rank_capacity_factor=2.0).a2a_capacity_factor == 1.25
-    assert MoEConfig(moe_expert_rank_capacity_factor=1.1).a2a_capacity_factor == 1.1
+    assert MoEConfig(moe_expert_rank_capacity_factor=2.0).a2a_capacity_factor == 2.0
     cfg = MoEConfig(moe_expert_rank_capacity_factor=2.0, moe_a2a_capacity_factor=1.6)
     assert cfg.a2a_capacity_factor == 1.6
     with pytest.raises(ValueError, match=r"moe_a2a_capacity_factor=2.5 is larger than"):
