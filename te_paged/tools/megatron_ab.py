@@ -340,9 +340,9 @@ def _build(cfg: MegatronModelConfig, paged: bool, ep: int, device: torch.device,
         optimizer,
         max_consecutive_fallbacks=cfg.max_consecutive_fallbacks,
         grow_pool=cfg.grow_pool,
-        grow_capacity=cfg.grow_capacity,
         per_rank_pools=cfg.per_rank_pools,
     )
+    runner.grow_capacity = cfg.grow_capacity
     return ddp, optimizer, runner
 
 

@@ -157,11 +157,13 @@ class MegatronLoopAdapter:
             "grow_pool": grow_pool,
             "grow_headroom": grow_headroom,
             "max_pool_bytes": max_pool_bytes,
+            "keep_records": keep_records,
+        }
+        self._capacity = {
             "grow_capacity": grow_capacity,
             "capacity_headroom": capacity_headroom,
             "max_capacity_factor": max_capacity_factor,
-            "keep_records": keep_records,
-        }
+        }  # the engine's attributes (MegatronPagedStashRunner's signature has no such options)
         self.on_record = on_record
         self.log_interval = log_interval
         self._restorables = list(restorables)
@@ -214,6 +216,8 @@ class MegatronLoopAdapter:
         if self._engine is None:
             engine = _Engine(self._layers, None, restorables=self._restorables, **self._options)
             engine.group = _stage_group()
+            for name, value in self._capacity.items():
+                setattr(engine, name, value)
             self._engine = engine
         return self._engine
 
