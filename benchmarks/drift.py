@@ -1,6 +1,7 @@
 """Routing drift: the pool sized once (the old sizing) against the pool that sizes itself.
 
     python benchmarks/drift.py [--steps 200] [--nproc 4] --out benchmarks/results/X.md
+    python benchmarks/drift.py --wire [--steps 200] --out benchmarks/results/wire-X.md
 
 Trains ``te-paged ab``'s default model (8 MoE layers, 8 experts, top-2, hidden 256, 512 tokens
 per rank) on ``--nproc`` gloo ranks (expert parallel over all of them) with SGD, so the routers
@@ -24,7 +25,15 @@ the same for both), pool growths; then the pool held at the end against the larg
 any step (``pool_demand_pages``) and against the planner's figure (``te-paged plan``'s buffer
 factor for a 0 % and a 1 % rerun rate, from the routing the run recorded), and the saving: one
 more step after training, measured (torch's MemTracker) with the stash on (plus the pool) and
-off (the same model and batch, the static buffers saved whole).
+off (the same model and batch, the static buffers saved whole). Both runs keep the wire at the
+expert factor (``a2a_capacity_factor=2.0``), so that its reruns do not enter the pool's figures.
+
+With ``--wire`` the same schedule runs once per wire setting instead (the pool self-sizing in
+each): the wire fixed at the expert factor (the old wire), and the auto wire (sized from the first
+step, then raised as routing needs) at several ``capacity_headroom``s. Reported per run and phase:
+over-budget reruns and wire growths; over the run: the bytes sent against a dropless exchange of
+the same routing (the reruns' bytes included) and the wire factor at the end. The bytes and the
+reruns do not depend on the machine; the default ``capacity_headroom`` is chosen from them.
 """
 
 from __future__ import annotations
@@ -49,6 +58,13 @@ from te_paged.tools.launch import rendezvous_url, spawn_ranks
 from te_paged.tools.model import ModelConfig, ToyMoEModel, make_batch
 
 RUNS = {"fixed": False, "self-sizing": True}  # name -> grow_pool
+# --wire: name -> (a2a_capacity_factor, grow_capacity, capacity_headroom)
+WIRE_RUNS = {
+    "wire at the expert factor": (2.0, False, 1.05),
+    "auto, headroom 1.05": (None, True, 1.05),
+    "auto, headroom 1.10": (None, True, 1.10),
+    "auto, headroom 1.25": (None, True, 1.25),
+}
 PHASES = ("routers learn", "skew ramps (rank 1)", "hot rank moves (rank 2)", "skew jumps (rank 3)")
 
 
@@ -62,6 +78,7 @@ def parser() -> argparse.ArgumentParser:
                    help="skew of phase 4, from its first step (%(default)s)")  # fmt: skip
     p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (%(default)s)")
     p.add_argument("--timeout", type=float, default=600, help="per-rank stall limit, seconds")
+    p.add_argument("--wire", action="store_true", help="compare wire settings, not pool sizings")
     p.add_argument("--out", help="write the Markdown report here (and the figures as .json)")
     return p
 
@@ -83,7 +100,8 @@ def skew_at(step: int, steps: int, args: argparse.Namespace, world: int) -> tupl
     return 3 % world, args.jump
 
 
-def _train(cfg: ModelConfig, grow: bool, args, rank: int, world: int, watchdog, name: str):
+def _train(cfg: ModelConfig, grow: bool, args, rank: int, world: int, watchdog, name: str,
+           **runner_kw):  # fmt: skip
     group = dist.group.WORLD
     model = ToyMoEModel(cfg, paged=True, group=group)
     experts_per_rank = cfg.experts // world
@@ -94,10 +112,11 @@ def _train(cfg: ModelConfig, grow: bool, args, rank: int, world: int, watchdog, 
         grow_pool=grow,
         max_consecutive_fallbacks=10**9,  # count the fixed pool's fallbacks, do not stop them
         measure_fallback_memory=False,
-        record_routing=True,  # one all_gather per step: the routing the planner reads
+        record_routing=not args.wire,  # one all_gather per step: the routing the planner reads
+        **runner_kw,
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
-    records, losses, skew = [], [], None
+    records, losses, dropless, skew = [], [], [], None
     for step in range(args.steps):
         hot, strength = skew_at(step, args.steps, args, world)
         if (hot, strength) != skew:
@@ -117,7 +136,10 @@ def _train(cfg: ModelConfig, grow: bool, args, rank: int, world: int, watchdog, 
         optimizer.step()
         losses.append(float(loss))
         records.append(dataclasses.asdict(record))
+        dropless.append(sum(int(d.dropless_bytes) for d in runner.dispatchers))
         watchdog.progress(f"{name} step {step + 1}/{args.steps}")
+    if args.wire:
+        return {"records": records, "losses": losses, "dropless_bytes": dropless}
     # The saving, on one more step from the trained state: stash on (plus the pool), then off.
     x, target = make_batch(cfg, args.steps, rank)
     manager = model.manager
@@ -158,11 +180,21 @@ def _rank(rank: int, world: int, watchdog, args: argparse.Namespace):
         timeout=datetime.timedelta(seconds=args.timeout),
     )
     try:
-        cfg = ModelConfig(steps=args.steps)
+        cfg = ModelConfig(steps=args.steps, a2a_capacity_factor=2.0)
+        runs = {name: (cfg, grow, {}) for name, grow in RUNS.items()}
+        if args.wire:
+            runs = {
+                name: (
+                    dataclasses.replace(cfg, a2a_capacity_factor=a2a),
+                    True,
+                    {"grow_capacity": grow, "capacity_headroom": headroom},
+                )
+                for name, (a2a, grow, headroom) in WIRE_RUNS.items()
+            }
         out = {}
-        for name, grow in RUNS.items():
+        for name, (run_cfg, grow, kw) in runs.items():
             start = time.perf_counter()
-            out[name] = _train(cfg, grow, args, rank, world, watchdog, name)
+            out[name] = _train(run_cfg, grow, args, rank, world, watchdog, name, **kw)
             out[name]["seconds"] = time.perf_counter() - start
         every = [None] * world
         dist.all_gather_object(every, out)
@@ -228,6 +260,92 @@ def summarize(ranks: list[dict], args: argparse.Namespace) -> dict:
     fixed, grown = out["fixed"]["losses"], out["self-sizing"]["losses"]
     out["losses_bitwise_equal"] = fixed == grown
     return out
+
+
+def summarize_wire(ranks: list[dict], args: argparse.Namespace) -> dict:
+    """Per wire setting: per-phase reruns and growths; bytes over the run (max over ranks of
+    each rank's sum) against the dropless reference; the wire at the end."""
+    out = {}
+    for name in WIRE_RUNS:
+        runs = [r[name] for r in ranks]
+        records = runs[0]["records"]
+        phases = []
+        for p in range(4):
+            mine = [r for r in records if phase_of(r["step"], args.steps) == p]
+            phases.append({
+                "name": PHASES[p],
+                "steps": len(mine),
+                "overbudget_reruns": sum(r["overbudget_ranks"] > 0 for r in mine),
+                "stash_fallbacks": sum(r["stash_overflow_ranks"] > 0 for r in mine),
+                "wire_changes": [r["step"] for r in mine if r["capacity_growth"]],
+            })  # fmt: skip
+        sent = max(sum(rec["bytes_sent"] for rec in run["records"]) for run in runs)
+        reference = max(sum(run["dropless_bytes"]) for run in runs)
+        last = records[-1]
+        final = last["capacity_growth"].get("to", last["a2a_capacity_factor"])
+        out[name] = {
+            "phases": phases,
+            "bytes_sent": sent,
+            "dropless_bytes": reference,
+            "ratio": sent / reference,
+            "reruns": sum(r["attempt"] == 2 for r in records),
+            "final_factor": final,
+            "first_factor": records[1]["a2a_capacity_factor"],
+            "seconds": max(run["seconds"] for run in runs),
+            "losses": runs[0]["losses"],
+        }
+    losses = [out[name]["losses"] for name in WIRE_RUNS]
+    out["losses_bitwise_equal"] = all(x == losses[0] for x in losses)
+    return out
+
+
+def report_wire(summary: dict, args: argparse.Namespace, command: str) -> str:
+    lines = [
+        f"# The wire under routing drift ({datetime.date.today()})",
+        "",
+        f"Command: `{command}`  ",
+        f"Machine: {platform.machine()}, {os.cpu_count()} threads, CPU, torch "
+        f"{torch.__version__}; {args.nproc} gloo ranks; {args.steps} steps of SGD (lr "
+        f"{args.lr}) on `te-paged ab`'s default model (capacity factor 2.0, the pool self-"
+        f"sizing); skew ramp to {args.ramp}, jump to {args.jump} (benchmarks/drift.py).",
+        "",
+        "Every run trains identically (every step's loss bitwise equal across the settings: "
+        f"**{'yes' if summary['losses_bitwise_equal'] else 'NO'}**); they differ in their wire.",
+        "",
+        "## Over-budget reruns per phase (wire changes at steps)",
+        "",
+        "| phase | steps | " + " | ".join(WIRE_RUNS) + " |",
+        "| --- | ---: | " + " | ".join("---" for _ in WIRE_RUNS) + " |",
+    ]
+    for p in range(4):
+        cells = []
+        for name in WIRE_RUNS:
+            ph = summary[name]["phases"][p]
+            at = ", ".join(map(str, ph["wire_changes"])) or "none"
+            cells.append(f"{ph['overbudget_reruns']} ({at})")
+        first = summary[next(iter(WIRE_RUNS))]["phases"][p]
+        lines.append(f"| {first['name']} | {first['steps']} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "## Bytes over the run",
+        "",
+        "*Sent*: every all-to-all a rank handed gloo in the run (dispatch, combine, both "
+        "backwards, metadata, the reruns' attempts included), max over ranks. *Dropless*: what "
+        "an exchange of only the routed rows would have sent for the kept attempts. *Reruns*: "
+        "steps run twice (each costs about one more step of compute).",
+        "",
+        "| run | wire after step 0 | wire at the end | reruns | sent MiB | dropless MiB "
+        "| sent / dropless | total s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name in WIRE_RUNS:
+        s = summary[name]
+        lines.append(
+            f"| {name} | {s['first_factor']:g} | {s['final_factor']:g} | {s['reruns']} "
+            f"| {_mib(s['bytes_sent'])} | {_mib(s['dropless_bytes'])} | {s['ratio']:.2f} "
+            f"| {s['seconds']:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def report(summary: dict, args: argparse.Namespace, command: str) -> str:
@@ -300,8 +418,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     command = "python benchmarks/drift.py " + " ".join(argv if argv is not None else sys.argv[1:])
     ranks = spawn_ranks(_rank, args.nproc, args.timeout, args, tracebacks=True)
-    summary = summarize(ranks, args)
-    text = report(summary, args, command)
+    summary = (summarize_wire if args.wire else summarize)(ranks, args)
+    text = (report_wire if args.wire else report)(summary, args, command)
     print(text)
     if args.out:
         Path(args.out).write_text(text)

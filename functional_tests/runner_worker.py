@@ -48,9 +48,11 @@ def train(
     max_fallbacks: int = 3,
     record_routing: bool = False,
     capture_at_factor: bool = False,
+    auto_wire: bool = False,
     **runner_kw: object,
 ) -> dict:
-    if cfg.a2a_capacity_factor is None:  # cases 1-7: the wire at the expert buffer's factor
+    if cfg.a2a_capacity_factor is None and not auto_wire:  # cases 1-7: the wire at the expert
+        # buffer's factor
         cfg = dataclasses.replace(cfg, a2a_capacity_factor=cfg.capacity_factor)
     group = dist.group.WORLD
     rank = dist.get_rank()
@@ -230,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
             "sized_equals_reference": same(sized, wire_ref),
             "fixed_equals_reference": same(fixed, wire_ref),
             "limited": summary(train(narrow, paged=True, max_capacity_factor=1.05)),
+            # the auto wire (no a2a_capacity_factor): step 0 at the expert factor, then sized
+            "auto": summary(auto := train(wide, paged=True, auto_wire=True)),
+            "auto_equals_reference": same(auto, wire_ref),
         }
     finally:
         (args.out / f"rank{rank}.json").write_text(json.dumps(res, default=str))

@@ -204,3 +204,15 @@ def test_the_wire_sizes_itself_after_one_rerun_and_results_stay_exact(ranks) -> 
             and "max_capacity_factor=1.05" in raised
         )
         assert raised == ranks[0]["wire"]["limited"]["raised"]
+        # The auto wire: step 0 runs at the expert factor (nothing can go over it), and the
+        # runner sets the wire once from that step's demand x 1.05, lower, on every rank alike.
+        auto = case["auto"]["records"]
+        assert case["auto_equals_reference"], rank
+        assert auto[0]["attempt"] == 1 and auto[0]["a2a_capacity_factor"] == 2.0, auto[0]
+        first = auto[0]["capacity_growth"]
+        assert first["why"] == "first step" and first["from"] == 2.0 > first["to"], first
+        assert first == ranks[0]["wire"]["auto"]["records"][0]["capacity_growth"]
+        assert auto[1]["a2a_capacity_factor"] == first["to"]
+        assert auto[1]["bytes_sent"] < wide[1]["bytes_sent"]
+        assert all(not r["capacity_growth"] or r["capacity_growth"]["why"] != "first step"
+                   for r in auto[1:])  # fmt: skip

@@ -19,9 +19,10 @@ input tokens:
 te_paged's own dispatcher sends equal blocks over an all-to-all: each rank may send each rank at
 most `C = ceil(T × moe_router_topk × a2a_capacity_factor) / P` rows (its wire budget) and pads
 the received rows to the expert buffer's `max_num_tokens`, so `a2a_capacity_factor <=
-moe_expert_rank_capacity_factor`. `moe_a2a_capacity_factor=None` (the default, for now) puts
-the wire at `moe_expert_rank_capacity_factor`; a smaller value narrows it and the runner raises it
-as routing needs (docs/design.md, "The wire").
+moe_expert_rank_capacity_factor`. `moe_a2a_capacity_factor=None` (the default) is "auto": the
+wire starts at `moe_expert_rank_capacity_factor` and te_paged's runner sets it once from the first
+step's largest pair demand × `capacity_headroom`; a value starts it there. Either way the runner
+raises it as routing needs (docs/design.md, "The wire").
 
 Both use the decimal value of the factor, not its binary float: with 100 tokens, top-2 and factor
 1.1 the budget is 220 rows (float math gives 221) and `avg_num_tokens(220)` is 200 (float `//`
@@ -154,7 +155,7 @@ class MoEConfig:
     use_transformer_engine_op_fuser: bool = False
     # Static budget and paged stash.
     moe_expert_rank_capacity_factor: float | None = None
-    # te_paged's padded all-to-all: the pair budget's factor (None: see a2a_capacity_factor).
+    # te_paged's padded all-to-all: the pair budget's factor (None: auto, see the module doc).
     moe_a2a_capacity_factor: float | None = None
     moe_paged_stash: bool = False
     moe_paged_stash_page_size: int = 64

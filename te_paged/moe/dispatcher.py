@@ -9,16 +9,17 @@ static mode, the real rows in dropless mode).
 Global expert ``e`` lives on rank ``e // L`` as local expert ``e % L``.
 
 **Two budgets (static mode).** The *expert buffer* is ``T = max_num_tokens =
-config.max_num_tokens(N)`` (``N·K·cf`` rounded up, MXFP8 to 32, then to a multiple of ``lcm(P,
-32 if MXFP8 else 1)``): the static shape of everything the experts compute and save. The *wire*
-is smaller: ``all_to_all_single`` needs equal splits to stay sync-free, so every rank sends every
-rank a block of ``C`` rows, ``C = split_rows(N·K·a2a, P) / P`` with ``a2a =
-a2a_capacity_factor <= cf`` (default ``cf``; set lower, the runner raises it as routing needs,
-up to ``cf``). An exchange moves ``P·C`` rows, not ``T``: about ``a2a ×`` the rows of a dropless
-exchange instead of ``cf ×``. The received ``P·C <= T`` rows are padded with zero rows to ``T``
-for the experts. The budget is *per (source, destination) pair*: an assignment whose position
-among its source's assignments to that destination is ``>= C`` is dropped from this attempt,
-counted on the *source* rank in :attr:`~StaticBudgetDispatcher.over_budget` and
+config.max_num_tokens(N)`` (``N·K·cf`` rounded up, MXFP8 to 32, then to a multiple of ``lcm(P, 32 if
+MXFP8 else 1)``): the static shape of everything the experts compute and save. The *wire* is
+smaller: ``all_to_all_single`` needs equal splits to stay sync-free, so every rank sends every rank
+a block of ``C`` rows, ``C = split_rows(N·K·a2a, P) / P`` with ``a2a = a2a_capacity_factor <= cf``.
+Unset ("auto", :attr:`~StaticBudgetDispatcher.wire_auto`) it starts at ``cf`` and a runner sets it
+from the first step's demand; either way the runner raises it as routing needs, up to ``cf``. An
+exchange moves ``P·C`` rows, not ``T``: about ``a2a ×`` the rows of a dropless exchange instead of
+``cf ×``. The received ``P·C <= T`` rows are padded with zero rows to ``T`` for the experts. The
+budget is *per (source, destination) pair*: an assignment whose position among its source's
+assignments to that destination is ``>= C`` is dropped from this attempt, counted on the *source*
+rank in :attr:`~StaticBudgetDispatcher.over_budget` and
 :attr:`~StaticBudgetDispatcher.dropped_tokens` (device int64), and the runner reruns the step.
 
 **Dispatch**::
@@ -189,9 +190,9 @@ class StaticBudgetDispatcher(nn.Module):
       (see the module docstring; :attr:`bytes_sent` is the host int of what was sent).
 
     ``capacity_factor`` sizes the expert buffer, ``a2a_capacity_factor`` the wire (default: the
-    config's :attr:`~te_paged.config.MoEConfig.a2a_capacity_factor`, or ``capacity_factor``
-    when that is given here); :meth:`set_a2a_capacity_factor`
-    changes the wire between steps (the runner's self-sizing).
+    config's ``moe_a2a_capacity_factor``; ``None`` is "auto": the wire starts at
+    ``capacity_factor`` and :attr:`wire_auto` tells a runner to size it from the first step);
+    :meth:`set_a2a_capacity_factor` changes the wire between steps (the runner's self-sizing).
     """
 
     def __init__(
@@ -217,10 +218,13 @@ class StaticBudgetDispatcher(nn.Module):
         if a2a_capacity_factor is FROM_CONFIG:
             a2a_capacity_factor = cfg.moe_a2a_capacity_factor
         self._a2a: float | None = None
+        auto = a2a_capacity_factor is None
         if capacity_factor is not None:
-            if a2a_capacity_factor is None:
-                a2a_capacity_factor = capacity_factor
-            self.set_a2a_capacity_factor(a2a_capacity_factor)
+            self.set_a2a_capacity_factor(capacity_factor if auto else a2a_capacity_factor)
+        #: True while the wire is "auto" (no ``a2a_capacity_factor`` given) and no runner has
+        #: sized it yet: it sits at ``capacity_factor`` until a runner sets it from the first
+        #: step's demand (:meth:`set_a2a_capacity_factor` ends it).
+        self.wire_auto = auto and capacity_factor is not None
         #: Bytes this rank handed the all-to-all since :meth:`reset_traffic` (host int).
         self.bytes_sent = 0
         self.ep_size = 1 if ep_group is None else dist.get_world_size(ep_group)
@@ -274,6 +278,7 @@ class StaticBudgetDispatcher(nn.Module):
                 f"{self._capacity_factor}: the received rows must fit the expert buffer"
             )
         self._a2a = factor
+        self.wire_auto = False
 
     @property
     def dropless(self) -> bool:

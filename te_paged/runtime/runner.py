@@ -34,8 +34,10 @@ result equals that of a run that never overflowed. Per step the runner:
    largest pair demand (reduced over the group) x ``capacity_headroom``, after the capture step,
    after a step over budget, and after a step that left less than the headroom; never past the
    expert buffer's factor nor ``max_capacity_factor`` (:class:`CapacityLimitError` when a step
-   needed more than that limit). ``StepRecord.capacity_growth`` says from, to and why
-   (docs/design.md, "The wire").
+   needed more than that limit). An "auto" wire (``moe_a2a_capacity_factor=None``: it starts
+   at the expert factor) is set once, after the first training step kept, to that step's demand
+   x ``capacity_headroom``, lower or higher. ``StepRecord.capacity_growth`` says from, to and
+   why (docs/design.md, "The wire").
 
 With ``record_routing=True`` the runner also records, for ``te-paged plan``, every MoE layer's
 tokens per expert on every rank of the expert-parallel group (one ``all_gather`` and one host
@@ -110,6 +112,7 @@ _CAPACITY_WHY = {
     "capture": "the capture step's largest pair demand x capacity_headroom did not fit the wire",
     "over budget": "a rank went over the wire budget",
     "headroom": "a rank's largest pair demand left less than capacity_headroom free",
+    "first step": "the auto wire is sized from the first step's largest pair demand",
 }
 
 
@@ -168,7 +171,8 @@ class StepRecord:
     peak_pair_tokens: int = 0
     # The wire budget raised after this step (grow_capacity): {"from": factor, "to": factor,
     # "needed": the factor that just held the step, "why": "capture" | "over budget" |
-    # "headroom"}; the next dispatch uses it. Empty: unchanged.
+    # "headroom" | "first step" (the auto wire's one sizing, which may lower it)}; the next
+    # dispatch uses it. Empty: unchanged.
     capacity_growth: dict[str, Any] = dataclasses.field(default_factory=dict)
     # Bytes this rank handed the all-to-alls in the step, every attempt (docs/run-record.md).
     bytes_sent: int = 0
@@ -253,9 +257,10 @@ class PagedStashRunner:
 
     Wire sizing: with ``grow_capacity`` (the default) the dispatchers' ``a2a_capacity_factor``
     keeps the largest pair demand seen x ``capacity_headroom`` (module docstring, item 6), up to
-    the expert buffer's ``capacity_factor``; ``max_capacity_factor`` is a lower limit of the
-    user's, past which a step's need raises :class:`CapacityLimitError` on every rank (before
-    any rerun). ``grow_capacity=False`` keeps the wire where the config put it.
+    the expert buffer's ``capacity_factor``, and sizes an auto wire once from the first step;
+    ``max_capacity_factor`` is a lower limit of the user's, past which a step's need raises
+    :class:`CapacityLimitError` on every rank (before any rerun). ``grow_capacity=False`` keeps
+    the wire where the config put it (an auto wire: at the expert factor).
     """
 
     def __init__(
@@ -704,18 +709,32 @@ class PagedStashRunner:
         why = []
         if overflow:
             why.append(f"stash overflow on rank(s) {overflow}")
-        if over:
+        wire_over = record.pair_capacity and record.peak_pair_tokens > record.pair_capacity
+        if over and wire_over:
+            why.append(
+                f"over the wire budget on rank(s) {over} (largest pair demand "
+                f"{record.peak_pair_tokens} rows, pair capacity {record.pair_capacity} at "
+                f"a2a_capacity_factor {record.a2a_capacity_factor:g})"
+            )
+        elif over:
             why.append(
                 f"over the token budget on rank(s) {over} (peak {record.peak_tokens} tokens "
                 f"routed to a rank, budget {record.budget_tokens})"
             )
         if spill:
             why.append(f"host spill on rank(s) {spill}")
+        expert_fit = record.suggested_capacity_factor
+        held = [getattr(d, "capacity_factor", None) for d in self.dispatchers]
+        held = [f for f in held if f is not None]
+        if expert_fit is not None and held and expert_fit <= min(held):
+            expert_fit = None  # the expert buffer held it: the wire was the limit
         suggested = {
-            "moe_expert_rank_capacity_factor": record.suggested_capacity_factor,
+            "moe_expert_rank_capacity_factor": expert_fit,
             "moe_paged_stash_buffer_size_factor_cuda": record.suggested_buffer_size_factor_cuda,
         }
         fits = [f"{name} >= {value}" for name, value in suggested.items() if value is not None]
+        if record.capacity_growth:
+            fits.append(f"a2a_capacity_factor {record.capacity_growth['to']:g}, which it now has")
         growing = self.grow_pool and bool(overflow)
         return (
             f"PagedStashRunner: step {record.step} reruns dropless without the paged stash "
@@ -786,10 +805,15 @@ class PagedStashRunner:
         """Raise every dispatcher's wire to the factor that holds the step's largest pair demand
         (``record.peak_pair_tokens``, reduced over the ranks: all decide alike, no collective)
         x ``capacity_headroom``, if that is above the wire's factor; bounded by the expert
-        buffer's factor and ``max_capacity_factor``. Records and logs a change."""
+        buffer's factor and ``max_capacity_factor``. An auto wire (:attr:`wire_auto
+        <te_paged.moe.StaticBudgetDispatcher.wire_auto>`) takes that factor at its first
+        call, lower too. Records and logs a change."""
         wire = self._wire()
         if not self.grow_capacity or wire is None or not wire.last_num_tokens:
             return
+        first = wire.wire_auto
+        if first:
+            why = "first step"
         n, peak = wire.last_num_tokens, record.peak_pair_tokens
         needed = wire.fitting_capacity_factor(n, peak)
         limit = self.max_capacity_factor
@@ -807,8 +831,11 @@ class PagedStashRunner:
             ceiling = min(ceiling, limit)
         want = min(want, ceiling)
         old = wire.a2a_capacity_factor
-        if want <= old or wire.fitting_capacity_factor(n, wire.pair_capacity) >= want:
-            return  # the wire already holds it (its rounding may give more than its factor)
+        holds = want < old or wire.fitting_capacity_factor(n, wire.pair_capacity) >= want
+        if want == old or (holds and not first):  # (its rounding may give more than its factor)
+            for d in self.dispatchers:
+                d.wire_auto = False
+            return
         for d in self.dispatchers:
             if d.a2a_capacity_factor is not None:
                 d.set_a2a_capacity_factor(min(want, d.capacity_factor))
@@ -816,11 +843,12 @@ class PagedStashRunner:
         self._log(
             logging.INFO,
             f"PagedStashRunner: step {record.step}: {_CAPACITY_WHY[why]} (largest pair demand "
-            f"{peak} rows, pair capacity {record.pair_capacity}), so a2a_capacity_factor rises "
+            f"{peak} rows, pair capacity {record.pair_capacity}), so a2a_capacity_factor "
+            f"{'falls' if want < old else 'rises'} "
             f"{old:g} -> {want:g} (needed {needed:g} x capacity_headroom "
             f"{self.capacity_headroom:g}"
             + (", capped at the expert buffer's factor" if want == ceiling else "")
-            + "); the next dispatch sends the larger blocks",
+            + "); the next dispatch uses it",
         )
 
     def _page_bytes(self, key: StashKey) -> int:

@@ -34,7 +34,7 @@ class ModelConfig:
     ffn: int = 512
     tokens: int = 512  # per rank and step
     capacity_factor: float = 2.0
-    a2a_capacity_factor: float | None = None  # None: capacity_factor
+    a2a_capacity_factor: float | None = None  # None: auto (starts at capacity_factor)
     buffer_factor_cuda: float = 1.10
     buffer_factor_cpu: float = 0.0
     page_size: int = 64

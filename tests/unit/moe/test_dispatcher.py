@@ -291,3 +291,17 @@ def test_assignments_that_do_not_exist_are_not_sent_and_add_exact_zeros() -> Non
     assert torch.equal(y, expect)  # identity experts: each real assignment once
     with pytest.raises(ValueError, match="routed must be a bool tensor shaped like indices"):
         disp.dispatch(x, probs, indices, routed_NK=routed.long())
+
+
+def test_an_unset_wire_is_auto_until_a_factor_is_set() -> None:
+    """No ``moe_a2a_capacity_factor``: the wire starts at the expert factor, marked auto for a
+    runner to size; a factor given, or set, is not auto; no static budget, no wire."""
+    auto = StaticBudgetDispatcher(config())
+    assert auto.wire_auto and auto.a2a_capacity_factor == 2.0
+    auto.set_a2a_capacity_factor(1.3)
+    assert not auto.wire_auto and auto.a2a_capacity_factor == 1.3
+    given = StaticBudgetDispatcher(config(moe_a2a_capacity_factor=1.5))
+    assert not given.wire_auto and given.a2a_capacity_factor == 1.5
+    assert StaticBudgetDispatcher(config(), a2a_capacity_factor=None).wire_auto
+    dropless = StaticBudgetDispatcher(config(moe_expert_rank_capacity_factor=None))
+    assert not dropless.wire_auto and dropless.a2a_capacity_factor is None
