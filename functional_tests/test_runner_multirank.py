@@ -171,7 +171,7 @@ def test_the_wire_sizes_itself_after_one_rerun_and_results_stay_exact(ranks) -> 
         sized, fixed = case["sized"]["records"], case["fixed"]["records"]
         assert case["sized_equals_reference"] and case["fixed_equals_reference"], rank
         # a2a_capacity_factor 1.0: the first step goes over the wire, reruns, and the wire
-        # grows to what it needed x 1.05, agreed on every rank (same figures, same decision).
+        # grows to what it needed x 1.10, agreed on every rank (same figures, same decision).
         assert sized[0]["attempt"] == 2 and sized[0]["overbudget_ranks"] > 0, sized[0]
         growth = sized[0]["capacity_growth"]
         assert growth["why"] == "over budget" and growth["from"] == 1.0, growth
@@ -205,7 +205,7 @@ def test_the_wire_sizes_itself_after_one_rerun_and_results_stay_exact(ranks) -> 
         )
         assert raised == ranks[0]["wire"]["limited"]["raised"]
         # The auto wire: step 0 runs at the expert factor (nothing can go over it), and the
-        # runner sets the wire once from that step's demand x 1.05, lower, on every rank alike.
+        # runner sets the wire once from that step's demand x 1.10, lower, on every rank alike.
         auto = case["auto"]["records"]
         assert case["auto_equals_reference"], rank
         assert auto[0]["attempt"] == 1 and auto[0]["a2a_capacity_factor"] == 2.0, auto[0]

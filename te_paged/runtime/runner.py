@@ -228,7 +228,7 @@ class PagedStashRunner:
 
     ``PagedStashRunner(model, manager=None, *, group=None, max_consecutive_fallbacks=3,
     grow_pool=True, grow_headroom=1.10, per_rank_pools=False, max_pool_bytes=None,
-    grow_capacity=True, capacity_headroom=1.05, max_capacity_factor=None,
+    grow_capacity=True, capacity_headroom=1.10, max_capacity_factor=None,
     measure_fallback_memory=True, record_routing=False, before_rerun=None)``.
     ``model`` (a module or a list of model chunks) is searched for
     :class:`~te_paged.moe.participant.PagedStashParticipant` modules: their stash managers and
@@ -275,7 +275,7 @@ class PagedStashRunner:
         per_rank_pools: bool = False,
         max_pool_bytes: int | None = None,
         grow_capacity: bool = True,
-        capacity_headroom: float = 1.05,
+        capacity_headroom: float = 1.10,
         max_capacity_factor: float | None = None,
         measure_fallback_memory: bool = True,
         record_routing: bool = False,

@@ -114,7 +114,7 @@ class MegatronLoopAdapter:
     """te_paged's side of Megatron's own ``PagedStashRunner``; see the module docstring.
 
     ``MegatronLoopAdapter(*, max_consecutive_fallbacks=3, grow_pool=True, grow_headroom=1.10,
-    max_pool_bytes=None, grow_capacity=True, capacity_headroom=1.05, max_capacity_factor=None,
+    max_pool_bytes=None, grow_capacity=True, capacity_headroom=1.10, max_capacity_factor=None,
     keep_records=1000, on_record=None, log_interval=None, restorables=())``: the options of
     :class:`~te_paged.integrations.megatron.MegatronPagedStashRunner` that apply here;
     ``log_interval`` (training iterations; default Megatron's ``--log-interval`` when its
@@ -133,7 +133,7 @@ class MegatronLoopAdapter:
         grow_headroom: float = 1.10,
         max_pool_bytes: int | None = None,
         grow_capacity: bool = True,
-        capacity_headroom: float = 1.05,
+        capacity_headroom: float = 1.10,
         max_capacity_factor: float | None = None,
         keep_records: int = 1000,
         on_record: Callable[[StepRecord], None] | None = None,

@@ -57,7 +57,7 @@ class TePagedConfig(PagedStashConverter.Config):
     per_rank_pools: bool = False
     max_pool_bytes: int | None = None
     grow_capacity: bool = True
-    capacity_headroom: float = 1.05
+    capacity_headroom: float = 1.10
     max_capacity_factor: float | None = None
 
 
