@@ -36,8 +36,9 @@ result equals that of a run that never overflowed. Per step the runner:
    expert buffer's factor nor ``max_capacity_factor`` (:class:`CapacityLimitError` when a step
    needed more than that limit). An "auto" wire (``moe_a2a_capacity_factor=None``: it starts
    at the expert factor) is set once, after the first training step kept, to that step's demand
-   x ``capacity_headroom``, lower or higher. ``StepRecord.capacity_growth`` says from, to and
-   why (docs/design.md, "The wire").
+   x ``capacity_headroom``, lower or higher (by te_paged's runners: under Megatron-LM's own,
+   which cannot grow it ahead of need, it stays at the expert factor).
+   ``StepRecord.capacity_growth`` says from, to and why (docs/design.md, "The wire").
 
 With ``record_routing=True`` the runner also records, for ``te-paged plan``, every MoE layer's
 tokens per expert on every rank of the expert-parallel group (one ``all_gather`` and one host

@@ -346,12 +346,6 @@ class MegatronLoopAdapter:
                 if capturing and engine.grow_pool:
                     engine._grow_after_capture(record)
         wire = engine._wire()
-        if wire is not None and wire.wire_auto and engine.grow_capacity and not self._forward_only:
-            # The auto wire's one sizing needs the group's largest pair demand: one more
-            # reduction (and host read), at this first kept step only.
-            with torch.no_grad():
-                record.peak_pair_tokens = max(r.peak_pair_tokens for r in engine._reduce()[1])
-            engine._size_capacity(record, "first step")
         if wire is not None and record.a2a_capacity_factor is None:
             record.a2a_capacity_factor = wire.a2a_capacity_factor
             record.pair_capacity = wire.pair_capacity

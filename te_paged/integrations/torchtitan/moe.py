@@ -197,11 +197,14 @@ class StaticBudgetTokenDispatcher(LocalTokenDispatcher):
     class Config(LocalTokenDispatcher.Config):
         dim: int
         moe_expert_rank_capacity_factor: float | None = 1.25
+        # The wire's factor (docs/design.md, "The wire"); None: auto, sized by the runner.
+        moe_a2a_capacity_factor: float | None = None
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
         self.dim = config.dim
         self.capacity_factor = config.moe_expert_rank_capacity_factor
+        self.a2a_capacity_factor = config.moe_a2a_capacity_factor
         self.ep_mesh: Any = None
         self._budget: StaticBudgetDispatcher | None = None
         self.moe_config(1)  # the factor and sizes are checked now, not at the first step
@@ -212,6 +215,7 @@ class StaticBudgetTokenDispatcher(LocalTokenDispatcher):
             num_moe_experts=self.num_experts,
             moe_router_topk=self.top_k,
             moe_expert_rank_capacity_factor=self.capacity_factor,
+            moe_a2a_capacity_factor=self.a2a_capacity_factor,
             expert_model_parallel_size=ep_size,
         )
 
@@ -321,6 +325,7 @@ def _param_device(module: nn.Module) -> torch.device:
 # ------------------------------------------------------------------------------- conversion
 
 _STANDARD_DISPATCHERS = (LocalTokenDispatcher.Config, AllToAllTokenDispatcher.Config)
+_DISPATCH_FIELDS = ("moe_expert_rank_capacity_factor", "moe_a2a_capacity_factor")
 
 
 def _check_options(options: dict[str, Any]) -> None:
@@ -328,6 +333,9 @@ def _check_options(options: dict[str, Any]) -> None:
     if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or cf <= 0
                            or not math.isfinite(cf)):  # fmt: skip
         raise ValueError(f"moe_expert_rank_capacity_factor must be a positive number, got {cf!r}")
+    a2a = options.get("moe_a2a_capacity_factor")
+    if a2a is not None:  # MoEConfig's own checks: a positive number, at most the expert factor
+        MoEConfig(moe_expert_rank_capacity_factor=cf, moe_a2a_capacity_factor=a2a)
     # te_paged's own checks of every stash knob (a manager is not built here).
     fields = {k: options[k] for k in STASH_FIELDS if k in options}
     fields.pop("moe_paged_stash", None)
@@ -338,12 +346,12 @@ def _check_options(options: dict[str, Any]) -> None:
 def convert_node(node: Any, *, fqn: str = "routed_experts", **options: Any) -> Any:
     """One ``RoutedExperts.Config`` as a :class:`PagedRoutedExperts.Config` (a new node; an
     already converted one gets the options); see :func:`convert_moe`."""
-    unknown = set(options) - {*STASH_FIELDS, "moe_expert_rank_capacity_factor"}
+    unknown = set(options) - {*STASH_FIELDS, *_DISPATCH_FIELDS}
     if unknown:
         raise TypeError(f"unknown te_paged option(s) {sorted(unknown)}")
     _check_options(options)
     expert_opts = {k: v for k, v in options.items() if k in STASH_FIELDS}
-    dispatch_opts = {k: v for k, v in options.items() if k == "moe_expert_rank_capacity_factor"}
+    dispatch_opts = {k: v for k, v in options.items() if k in _DISPATCH_FIELDS}
     experts, dispatcher = node.inner_experts, node.token_dispatcher
     if type(experts) not in (GroupedExperts.Config, PagedGroupedExperts.Config):
         raise ValueError(
@@ -375,9 +383,10 @@ def convert_node(node: Any, *, fqn: str = "routed_experts", **options: Any) -> A
 def convert_moe(model_config: Any, **options: Any) -> Any:
     """Turn every ``RoutedExperts.Config`` of a torchtitan model config into a paged-stash one
     (in place; also returned): experts → :class:`PagedGroupedExperts`, dispatcher →
-    :class:`StaticBudgetTokenDispatcher`. ``options``: ``moe_expert_rank_capacity_factor`` and
-    the stash knobs of :data:`STASH_FIELDS`, by te_paged's names. Already converted nodes get
-    the new options. Raises ``ValueError`` for experts other than torchtitan's
+    :class:`StaticBudgetTokenDispatcher`. ``options``: ``moe_expert_rank_capacity_factor``,
+    ``moe_a2a_capacity_factor`` (the wire; ``None``: auto) and the stash knobs of
+    :data:`STASH_FIELDS`, by te_paged's names. Already converted nodes get the new options.
+    Raises ``ValueError`` for experts other than torchtitan's
     ``GroupedExperts`` (e.g. the fused-w13 override, MXFP8) and dispatchers other than the
     ``standard`` backend's, whose communication the static budget would replace silently."""
     found = 0
@@ -403,6 +412,7 @@ class PagedStashConverter(ModelConfigConverter):
     @dataclass(kw_only=True, slots=True)
     class Config(ModelConfigConverter.Config):
         moe_expert_rank_capacity_factor: float | None = 1.25
+        moe_a2a_capacity_factor: float | None = None
         moe_paged_stash: bool = True
         moe_paged_stash_page_size: int = 64
         moe_paged_stash_buffer_size_factor_cuda: float = 1.10
@@ -410,7 +420,7 @@ class PagedStashConverter(ModelConfigConverter):
         moe_paged_stash_kernel_backend: str = "auto"
 
         def stash_options(self) -> dict[str, Any]:
-            names = ("moe_expert_rank_capacity_factor", *STASH_FIELDS)
+            names = (*_DISPATCH_FIELDS, *STASH_FIELDS)
             return {name: getattr(self, name) for name in names}
 
     def __init__(self, config: Config) -> None:

@@ -115,7 +115,11 @@ def test_convert_moe_swaps_every_moe_layer_and_keeps_parameter_names():
         assert isinstance(r.inner_experts, PagedGroupedExperts)
         assert isinstance(r.token_dispatcher, StaticBudgetTokenDispatcher)
         assert r.token_dispatcher.capacity_factor == 1.5
+        assert r.token_dispatcher.moe_config(2).a2a_capacity_factor == 1.5  # auto: starts at cf
     assert stock.state_dict().keys() == converted.state_dict().keys()
+    narrow = convert_moe(_model_config(), moe_a2a_capacity_factor=1.1)
+    for _fqn, node, _p, _a in narrow.traverse(PagedRoutedExperts.Config):
+        assert node.token_dispatcher.moe_a2a_capacity_factor == 1.1
     converted.load_state_dict(stock.state_dict())  # checkpoints carry over as they are
 
 
@@ -148,6 +152,11 @@ def test_the_converter_is_the_model_registry_entry_point():
         ({"moe_expert_rank_capacity_factor": "1.5"}, ValueError, "positive"),
         ({"moe_paged_stash_page_size": 0}, ValueError, "page_size"),
         ({"capacity_factor": 1.5}, TypeError, "unknown te_paged option"),
+        (
+            {"moe_expert_rank_capacity_factor": 1.2, "moe_a2a_capacity_factor": 1.5},
+            ValueError,
+            "larger than",
+        ),
     ],
 )
 def test_convert_moe_refuses_bad_options(options, error, match):
