@@ -299,16 +299,27 @@ def summarize_wire(ranks: list[dict], args: argparse.Namespace) -> dict:
     return out
 
 
-def report_wire(summary: dict, args: argparse.Namespace, command: str) -> str:
-    lines = [
-        f"# The wire under routing drift ({datetime.date.today()})",
+def _header(title: str, command: str, setup: str) -> list[str]:
+    """A report's title, command and machine line (``setup``: the run's own words)."""
+    return [
+        f"# {title} ({datetime.date.today()})",
         "",
         f"Command: `{command}`  ",
         f"Machine: {platform.machine()}, {os.cpu_count()} threads, CPU, torch "
-        f"{torch.__version__}; {args.nproc} gloo ranks; {args.steps} steps of SGD (lr "
-        f"{args.lr}) on `te-paged ab`'s default model (capacity factor 2.0, the pool self-"
-        f"sizing); skew ramp to {args.ramp}, jump to {args.jump} (benchmarks/drift.py).",
+        f"{torch.__version__}; {setup}",
         "",
+    ]
+
+
+def report_wire(summary: dict, args: argparse.Namespace, command: str) -> str:
+    lines = [
+        *_header(
+            "The wire under routing drift",
+            command,
+            f"{args.nproc} gloo ranks; {args.steps} steps of SGD (lr {args.lr}) on `te-paged "
+            "ab`'s default model (capacity factor 2.0, the pool self-sizing); skew ramp to "
+            f"{args.ramp}, jump to {args.jump} (benchmarks/drift.py).",
+        ),
         "Every run trains identically (every step's loss bitwise equal across the settings: "
         f"**{'yes' if summary['losses_bitwise_equal'] else 'NO'}**); they differ in their wire.",
         "",
@@ -350,16 +361,15 @@ def report_wire(summary: dict, args: argparse.Namespace, command: str) -> str:
 
 def report(summary: dict, args: argparse.Namespace, command: str) -> str:
     lines = [
-        f"# Pool sizing under routing drift ({datetime.date.today()})",
-        "",
-        f"Command: `{command}`  ",
-        f"Machine: {platform.machine()}, {os.cpu_count()} threads, CPU, torch "
-        f"{torch.__version__}; {args.nproc} gloo ranks, expert parallel over all of them; "
-        f"{args.steps} steps of SGD (lr {args.lr}) on `te-paged ab`'s default model (8 MoE "
-        "layers, 8 experts, top-2, hidden 256, FFN 512, 512 tokens per rank, capacity factor "
-        f"2.0, buffer factor 1.10, page size 64); skew ramp to {args.ramp}, jump to "
-        f"{args.jump} (benchmarks/drift.py's docstring has the schedule).",
-        "",
+        *_header(
+            "Pool sizing under routing drift",
+            command,
+            f"{args.nproc} gloo ranks, expert parallel over all of them; {args.steps} steps of "
+            f"SGD (lr {args.lr}) on `te-paged ab`'s default model (8 MoE layers, 8 experts, "
+            "top-2, hidden 256, FFN 512, 512 tokens per rank, capacity factor 2.0, buffer "
+            f"factor 1.10, page size 64); skew ramp to {args.ramp}, jump to {args.jump} "
+            "(benchmarks/drift.py's docstring has the schedule).",
+        ),
         "Both runs train identically (every step's loss bitwise equal: "
         f"**{'yes' if summary['losses_bitwise_equal'] else 'NO'}**); they differ in their pools.",
         "",
