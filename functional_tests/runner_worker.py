@@ -232,8 +232,9 @@ def main(argv: list[str] | None = None) -> int:
             "sized_equals_reference": same(sized, wire_ref),
             "fixed_equals_reference": same(fixed, wire_ref),
             "limited": summary(train(narrow, paged=True, max_capacity_factor=1.05)),
-            # the auto wire (no a2a_capacity_factor): step 0 at the expert factor, then sized
-            "auto": summary(auto := train(wide, paged=True, auto_wire=True)),
+            # the auto wire (no a2a_capacity_factor): steps 0-1 at the expert factor, then
+            # sized from their largest demand
+            "auto": summary(auto := train(wide, paged=True, auto_wire=True, auto_wire_steps=2)),
             "auto_equals_reference": same(auto, wire_ref),
         }
     finally:

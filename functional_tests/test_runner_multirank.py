@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -204,15 +205,21 @@ def test_the_wire_sizes_itself_after_one_rerun_and_results_stay_exact(ranks) -> 
             and "max_capacity_factor=1.05" in raised
         )
         assert raised == ranks[0]["wire"]["limited"]["raised"]
-        # The auto wire: step 0 runs at the expert factor (nothing can go over it), and the
-        # runner sets the wire once from that step's demand x 1.10, lower, on every rank alike.
+        # The auto wire: its first auto_wire_steps (2) steps run at the expert factor (nothing
+        # can go over it), and the runner then sets the wire once from their largest demand x
+        # 1.10, lower, on every rank alike.
         auto = case["auto"]["records"]
         assert case["auto_equals_reference"], rank
-        assert auto[0]["attempt"] == 1 and auto[0]["a2a_capacity_factor"] == 2.0, auto[0]
-        first = auto[0]["capacity_growth"]
-        assert first["why"] == "first step" and first["from"] == 2.0 > first["to"], first
-        assert first == ranks[0]["wire"]["auto"]["records"][0]["capacity_growth"]
-        assert auto[1]["a2a_capacity_factor"] == first["to"]
-        assert auto[1]["bytes_sent"] < wide[1]["bytes_sent"]
-        assert all(not r["capacity_growth"] or r["capacity_growth"]["why"] != "first step"
-                   for r in auto[1:])  # fmt: skip
+        assert [r["attempt"] for r in auto[:2]] == [1, 1], auto[:2]
+        assert [r["a2a_capacity_factor"] for r in auto[:2]] == [2.0, 2.0], auto[:2]
+        assert auto[0]["capacity_growth"] == {}, auto[0]  # watched, not sized
+        sized_at = auto[1]["capacity_growth"]
+        assert sized_at["why"] == "warm-up" and sized_at["from"] == 2.0 > sized_at["to"], sized_at
+        assert sized_at == ranks[0]["wire"]["auto"]["records"][1]["capacity_growth"]
+        # Sized from the larger of the two steps' demands: it holds both.
+        window_peak = max(r["peak_pair_tokens"] for r in auto[:2])
+        assert auto[2]["a2a_capacity_factor"] == sized_at["to"]
+        assert auto[2]["pair_capacity"] >= math.ceil(window_peak * 1.10), (auto[2], window_peak)
+        assert auto[2]["bytes_sent"] < wide[2]["bytes_sent"]
+        assert all(not r["capacity_growth"] or r["capacity_growth"]["why"] != "warm-up"
+                   for r in auto[2:])  # fmt: skip

@@ -14,7 +14,7 @@ MXFP8 else 1)``): the static shape of everything the experts compute and save. T
 smaller: ``all_to_all_single`` needs equal splits to stay sync-free, so every rank sends every rank
 a block of ``C`` rows, ``C = split_rows(N·K·a2a, P) / P`` with ``a2a = a2a_capacity_factor <= cf``.
 Unset ("auto", :attr:`~StaticBudgetDispatcher.wire_auto`) it starts at ``cf`` and a runner sets it
-from the first step's demand; either way the runner raises it as routing needs, up to ``cf``. An
+from its first steps' demand; either way the runner raises it as routing needs, up to ``cf``. An
 exchange moves ``P·C`` rows, not ``T``: about ``a2a ×`` the rows of a dropless exchange instead of
 ``cf ×``. The received ``P·C <= T`` rows are padded with zero rows to ``T`` for the experts. The
 budget is *per (source, destination) pair*: an assignment whose position among its source's
@@ -191,7 +191,7 @@ class StaticBudgetDispatcher(nn.Module):
 
     ``capacity_factor`` sizes the expert buffer, ``a2a_capacity_factor`` the wire (default: the
     config's ``moe_a2a_capacity_factor``; ``None`` is "auto": the wire starts at
-    ``capacity_factor`` and :attr:`wire_auto` tells a runner to size it from the first step);
+    ``capacity_factor`` and :attr:`wire_auto` tells a runner to size it from its first steps);
     :meth:`set_a2a_capacity_factor` changes the wire between steps (the runner's self-sizing).
     """
 

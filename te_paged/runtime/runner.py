@@ -35,9 +35,10 @@ result equals that of a run that never overflowed. Per step the runner:
    after a step over budget, and after a step that left less than the headroom; never past the
    expert buffer's factor nor ``max_capacity_factor`` (:class:`CapacityLimitError` when a step
    needed more than that limit). An "auto" wire (``moe_a2a_capacity_factor=None``: it starts
-   at the expert factor) is set once, after the first training step kept, to that step's demand
-   x ``capacity_headroom``, lower or higher (by te_paged's runners: under Megatron-LM's own,
-   which cannot grow it ahead of need, it stays at the expert factor).
+   at the expert factor) is set once, after ``auto_wire_steps`` training steps (8), to the
+   largest demand of those steps x ``capacity_headroom``, lower or higher: routing moves most
+   while the routers first learn, so one step is too few to size from (by te_paged's runners:
+   under Megatron-LM's own, which cannot grow it ahead of need, it stays at the expert factor).
    ``StepRecord.capacity_growth`` says from, to and why (docs/design.md, "The wire").
 
 With ``record_routing=True`` the runner also records, for ``te-paged plan``, every MoE layer's
@@ -113,7 +114,7 @@ _CAPACITY_WHY = {
     "capture": "the capture step's largest pair demand x capacity_headroom did not fit the wire",
     "over budget": "a rank went over the wire budget",
     "headroom": "a rank's largest pair demand left less than capacity_headroom free",
-    "first step": "the auto wire is sized from the first step's largest pair demand",
+    "warm-up": "the auto wire is sized from its first steps' largest pair demand",
 }
 
 
@@ -172,7 +173,7 @@ class StepRecord:
     peak_pair_tokens: int = 0
     # The wire budget raised after this step (grow_capacity): {"from": factor, "to": factor,
     # "needed": the factor that just held the step, "why": "capture" | "over budget" |
-    # "headroom" | "first step" (the auto wire's one sizing, which may lower it)}; the next
+    # "headroom" | "warm-up" (the auto wire's one sizing, which may lower it)}; the next
     # dispatch uses it. Empty: unchanged.
     capacity_growth: dict[str, Any] = dataclasses.field(default_factory=dict)
     # Bytes this rank handed the all-to-alls in the step, every attempt (docs/run-record.md).
@@ -229,7 +230,7 @@ class PagedStashRunner:
 
     ``PagedStashRunner(model, manager=None, *, group=None, max_consecutive_fallbacks=3,
     grow_pool=True, grow_headroom=1.10, per_rank_pools=False, max_pool_bytes=None,
-    grow_capacity=True, capacity_headroom=1.10, max_capacity_factor=None,
+    grow_capacity=True, capacity_headroom=1.10, max_capacity_factor=None, auto_wire_steps=8,
     measure_fallback_memory=True, record_routing=False, before_rerun=None)``.
     ``model`` (a module or a list of model chunks) is searched for
     :class:`~te_paged.moe.participant.PagedStashParticipant` modules: their stash managers and
@@ -258,7 +259,8 @@ class PagedStashRunner:
 
     Wire sizing: with ``grow_capacity`` (the default) the dispatchers' ``a2a_capacity_factor``
     keeps the largest pair demand seen x ``capacity_headroom`` (module docstring, item 6), up to
-    the expert buffer's ``capacity_factor``, and sizes an auto wire once from the first step;
+    the expert buffer's ``capacity_factor``, and sizes an auto wire once, from the largest
+    demand of its first ``auto_wire_steps`` training steps;
     ``max_capacity_factor`` is a lower limit of the user's, past which a step's need raises
     :class:`CapacityLimitError` on every rank (before any rerun). ``grow_capacity=False`` keeps
     the wire where the config put it (an auto wire: at the expert factor).
@@ -278,6 +280,7 @@ class PagedStashRunner:
         grow_capacity: bool = True,
         capacity_headroom: float = 1.10,
         max_capacity_factor: float | None = None,
+        auto_wire_steps: int = 8,
         measure_fallback_memory: bool = True,
         record_routing: bool = False,
         before_rerun: Callable[[], None] | None = None,
@@ -298,6 +301,10 @@ class PagedStashRunner:
                 "max_capacity_factor", max_capacity_factor, 0.0, strict=True
             )
         self.max_capacity_factor = max_capacity_factor
+        require_int("auto_wire_steps", auto_wire_steps, minimum=1)
+        self.auto_wire_steps = auto_wire_steps
+        self._auto_wire_seen = 0  # training steps an auto wire has watched
+        self._auto_wire_peak = 0  # their largest pair demand
         if max_pool_bytes is not None:
             require_int("max_pool_bytes", max_pool_bytes, minimum=1)
         if timeout is not None and not isinstance(timeout, datetime.timedelta):
@@ -807,15 +814,20 @@ class PagedStashRunner:
         (``record.peak_pair_tokens``, reduced over the ranks: all decide alike, no collective)
         x ``capacity_headroom``, if that is above the wire's factor; bounded by the expert
         buffer's factor and ``max_capacity_factor``. An auto wire (:attr:`wire_auto
-        <te_paged.moe.StaticBudgetDispatcher.wire_auto>`) takes that factor at its first
-        call, lower too. Records and logs a change."""
+        <te_paged.moe.StaticBudgetDispatcher.wire_auto>`) only watches until its
+        ``auto_wire_steps``-th call, then takes the factor of the largest demand it saw, lower
+        too. Records and logs a change."""
         wire = self._wire()
         if not self.grow_capacity or wire is None or not wire.last_num_tokens:
             return
-        first = wire.wire_auto
-        if first:
-            why = "first step"
         n, peak = wire.last_num_tokens, record.peak_pair_tokens
+        first = wire.wire_auto
+        if first:  # at the expert factor, which holds whatever the expert buffer holds
+            self._auto_wire_seen += 1
+            peak = self._auto_wire_peak = max(self._auto_wire_peak, peak)
+            if self._auto_wire_seen < self.auto_wire_steps:
+                return
+            why = "warm-up"
         needed = wire.fitting_capacity_factor(n, peak)
         limit = self.max_capacity_factor
         if limit is not None and needed > limit:

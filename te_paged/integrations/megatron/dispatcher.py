@@ -52,7 +52,12 @@ from te_paged.moe import DispatchHandle, StaticBudgetDispatcher
 if TYPE_CHECKING:
     from te_paged.integrations.megatron.loop import MegatronLoopAdapter
 
-__all__ = ["StaticBudgetTokenDispatcher", "hybrid_ep_rank_budget", "topk_from_routing_map"]
+__all__ = [
+    "MegatronRunnerSeams",
+    "StaticBudgetTokenDispatcher",
+    "hybrid_ep_rank_budget",
+    "topk_from_routing_map",
+]
 
 
 def hybrid_ep_rank_budget(topk: int, align: int, ep_size: int) -> Callable[[int, float], int]:
@@ -100,7 +105,7 @@ class _CapacityFactorSeam:
     """``token_dispatcher._comm_manager`` for Megatron's runner: the capacity factor it clears
     before a rerun (``None``) and sets back to the config's after a kept attempt."""
 
-    def __init__(self, loop: MegatronLoopAdapter, dispatcher: StaticBudgetTokenDispatcher):
+    def __init__(self, loop: MegatronLoopAdapter, dispatcher: MegatronRunnerSeams):
         self._loop, self._dispatcher = loop, dispatcher
 
     @property
@@ -114,7 +119,57 @@ class _CapacityFactorSeam:
         self._loop.set_capacity_factor(value)
 
 
-class StaticBudgetTokenDispatcher:
+class MegatronRunnerSeams:
+    """The calls Megatron's own ``PagedStashRunner`` makes on a layer's token dispatcher,
+    answered by te_paged's :class:`MegatronLoopAdapter` (``self.loop``) for a dispatcher whose
+    runner-facing counters are ``self.budget`` (a :class:`StaticBudgetDispatcher`)."""
+
+    loop: MegatronLoopAdapter | None
+    budget: StaticBudgetDispatcher
+    config: MoEConfig
+
+    def _megatron_loop(self) -> MegatronLoopAdapter:
+        if self.loop is None:
+            raise TypeError(
+                f"this {type(self).__name__} was built without a MegatronLoopAdapter, so "
+                "Megatron's PagedStashRunner would not see te_paged's over-budget and "
+                "stash-overflow flags: build the layers with get_te_paged_moe_spec(config) "
+                "(PagedStashMoELayer gives its dispatcher one), or drive the step with "
+                "te_paged.integrations.megatron.MegatronPagedStashRunner(model, optimizer)"
+            )
+        return self.loop
+
+    @property
+    def check_over_budget(self) -> Callable[[], torch.Tensor]:
+        """Megatron's ``PagedStashRunner`` (megatron-core 0.19.2) finds the layers it reruns by
+        ``hasattr(token_dispatcher, "check_over_budget")`` and calls it after each attempt:
+        here every te_paged flag of the rank (over budget, stash overflow, invalid counts) as
+        one device bool, reported through the layers' :class:`MegatronLoopAdapter`. A
+        ``TypeError`` (which ``hasattr`` passes on) refuses that runner where it could not
+        see them: no adapter, or te_paged's own runner already driving the layers."""
+        loop = self._megatron_loop()
+        loop.probe()
+        return loop.check
+
+    def reset_over_budget(self) -> None:
+        """Megatron's runner before its dropless rerun: te_paged's adapter prepares it
+        (restores the step's state, frees the pools, turns its stash off)."""
+        self._megatron_loop().prepare_rerun()
+
+    @property
+    def _comm_manager(self) -> _CapacityFactorSeam:
+        """What Megatron's runner reaches as ``token_dispatcher._comm_manager`` (HybridEP's
+        and NCCL EP's managers there): its ``moe_expert_rank_capacity_factor``, cleared for the
+        rerun and set back after a kept attempt, is the adapter's dropless switch."""
+        return _CapacityFactorSeam(self._megatron_loop(), self)
+
+    @property
+    def dropless(self) -> bool:
+        """Whether the last/next dispatch is dropless (the runner's rerun)."""
+        return self.budget.dropless
+
+
+class StaticBudgetTokenDispatcher(MegatronRunnerSeams):
     """Megatron's token-dispatcher interface over :class:`StaticBudgetDispatcher`.
 
     ``StaticBudgetTokenDispatcher(config, ep_group, *, align, device=None)``: ``config`` is
@@ -159,43 +214,6 @@ class StaticBudgetTokenDispatcher:
         should write into (NCCL EP's zero-copy); this one exchanges through its own."""
         return None, None
 
-    # ------------------------------------------------- the seams Megatron's own runner calls
-
-    def _megatron_loop(self) -> MegatronLoopAdapter:
-        if self.loop is None:
-            raise TypeError(
-                "this StaticBudgetTokenDispatcher was built without a MegatronLoopAdapter, so "
-                "Megatron's PagedStashRunner would not see te_paged's over-budget and "
-                "stash-overflow flags: build the layers with get_te_paged_moe_spec(config) "
-                "(PagedStashMoELayer gives its dispatcher one), or drive the step with "
-                "te_paged.integrations.megatron.MegatronPagedStashRunner(model, optimizer)"
-            )
-        return self.loop
-
-    @property
-    def check_over_budget(self) -> Callable[[], torch.Tensor]:
-        """Megatron's ``PagedStashRunner`` (megatron-core 0.19.2) finds the layers it reruns by
-        ``hasattr(token_dispatcher, "check_over_budget")`` and calls it after each attempt:
-        here every te_paged flag of the rank (over budget, stash overflow, invalid counts) as
-        one device bool, reported through the layers' :class:`MegatronLoopAdapter`. A
-        ``TypeError`` (which ``hasattr`` passes on) refuses that runner where it could not
-        see them: no adapter, or te_paged's own runner already driving the layers."""
-        loop = self._megatron_loop()
-        loop.probe()
-        return loop.check
-
-    def reset_over_budget(self) -> None:
-        """Megatron's runner before its dropless rerun: te_paged's adapter prepares it
-        (restores the step's state, frees the pools, turns its stash off)."""
-        self._megatron_loop().prepare_rerun()
-
-    @property
-    def _comm_manager(self) -> _CapacityFactorSeam:
-        """What Megatron's runner reaches as ``token_dispatcher._comm_manager`` (HybridEP's
-        and NCCL EP's managers there): its ``moe_expert_rank_capacity_factor``, cleared for the
-        rerun and set back after a kept attempt, is the adapter's dropless switch."""
-        return _CapacityFactorSeam(self._megatron_loop(), self)
-
     def set_shared_experts(self, shared_experts: object) -> None:
         raise ValueError(
             "moe_shared_expert_overlap is not supported with te_paged's static-budget "
@@ -238,8 +256,3 @@ class StaticBudgetTokenDispatcher:
 
     def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return hidden_states.view(self._shape)
-
-    @property
-    def dropless(self) -> bool:
-        """Whether the last/next dispatch is dropless (the runner's rerun)."""
-        return self.budget.dropless

@@ -59,6 +59,7 @@ class TePagedConfig(PagedStashConverter.Config):
     grow_capacity: bool = True
     capacity_headroom: float = 1.10
     max_capacity_factor: float | None = None
+    auto_wire_steps: int = 8
 
 
 class TorchtitanPagedStashRunner(PagedStashRunner):
@@ -142,6 +143,7 @@ class PagedStashTrainer(Trainer):
             grow_capacity=options.grow_capacity,
             capacity_headroom=options.capacity_headroom,
             max_capacity_factor=options.max_capacity_factor,
+            auto_wire_steps=options.auto_wire_steps,
         )
         self._groups: list[Any] | None = None  # this step's microbatch groups, read ahead
         self._losses: list[torch.Tensor] | None = None
