@@ -63,10 +63,13 @@ def run_workers(
     timeout_s: int,
     release: str = DEFAULT_RELEASE,
     env: dict[str, str] | None = None,
+    stand_ins: tuple[str, ...] = (),
 ) -> dict[str, list[dict]]:
     """Launch ``functional_tests.megatron.launch_workers`` on ``world_size`` CPU ranks against
     megatron-core ``release``, running ``workers`` one after another in one process group,
-    ``env`` added to the ranks' environment (fails the test when that release is missing or a
+    ``env`` added to the ranks' environment, the ``stand_ins`` modules (``functional_tests.
+    stand_ins``: each installs a library's stand-in when imported) imported before megatron-core
+    (fails the test when that release is missing or a
     rank fails); each worker's list of per-rank JSON results. The ranks are forked from a
     process that imported megatron-core and the workers once (``functional_tests/forkrun.py``):
     6 to 10 s of CPU a rank otherwise."""
@@ -77,7 +80,7 @@ def run_workers(
          "--out", str(out), "--timeout-s", str(timeout_s - 30)],
         nproc=world_size,
         timeout_s=timeout_s,
-        preload=("te_paged.tools.preload_megatron",
+        preload=(*stand_ins, "te_paged.tools.preload_megatron",
                  *(f"functional_tests.megatron.{worker}" for worker in workers)),
         # Megatron warns at import that TE and Apex are absent.
         env={"PYTHONWARNINGS": "ignore", **release_env(release), **(env or {})},
@@ -99,20 +102,23 @@ def workers_launch(
     release: str = DEFAULT_RELEASE,
     env: dict[str, str] | None = None,
     own_launch: bool = False,
+    stand_ins: tuple[str, ...] = (),
 ) -> Launch:
     """``worker`` on 4 ranks as a :class:`~functional_tests.prelaunch.Launch`: every worker the
     collected tests need on the same release and environment runs in one launch, whose timeout
     is the sum of theirs (``own_launch``: a launch of its own, for a worker whose length alone
-    is most of a test's timeout). Its result is the worker's list of per-rank results."""
+    is most of a test's timeout; ``stand_ins``: see :func:`run_workers`, a launch of their
+    own). Its result is the worker's list of per-rank results."""
     from functional_tests.prelaunch import Launch
 
     words = ["megatron", release, *(f"{k}={v}" for k, v in sorted((env or {}).items()))]
+    words += [f"stand-in:{name.rsplit('.', 1)[-1]}" for name in stand_ins]
     group = " ".join([*words, worker] if own_launch else words)
     timeouts[group, worker] = timeout_s
 
     def run(parts: tuple[str, ...], out: Path) -> dict[str, list[dict]]:
         total = sum(timeouts[group, part] for part in parts)
         return run_workers(parts, out, world_size=WORLD_SIZE, timeout_s=total, release=release,
-                           env=env)  # fmt: skip
+                           env=env, stand_ins=stand_ins)  # fmt: skip
 
     return Launch(group, worker, run)

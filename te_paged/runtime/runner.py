@@ -109,6 +109,11 @@ _GROWTH_WHY = {
     "overflow": "the stash overflowed",
     "headroom": "a rank's step left less than the headroom free",
 }
+_RECEIVE_WHY = {
+    "capture": "the capture step's peak x capacity_headroom did not fit the receive budget",
+    "over budget": "a rank went over its receive budget",
+    "headroom": "a rank's peak left less than capacity_headroom free",
+}
 _SLOT = _HEAD + _PER_KEY * _MAX_KEYS  # one rank's entries in the per-step reduction
 _CAPACITY_WHY = {
     "capture": "the capture step's largest pair demand x capacity_headroom did not fit the wire",
@@ -171,10 +176,11 @@ class StepRecord:
     a2a_capacity_factor: float | None = None
     pair_capacity: int = 0
     peak_pair_tokens: int = 0
-    # The wire budget raised after this step (grow_capacity): {"from": factor, "to": factor,
-    # "needed": the factor that just held the step, "why": "capture" | "over budget" |
-    # "headroom" | "warm-up" (the auto wire's one sizing, which may lower it)}; the next
-    # dispatch uses it. Empty: unchanged.
+    # The budget changed after this step (grow_capacity): {"factor": "a2a_capacity_factor"
+    # (te_paged's wire) | "moe_expert_rank_capacity_factor" (a receive budget: Megatron's
+    # HybridEP), "from": factor, "to": factor, "needed": the factor that just held the step,
+    # "why": "capture" | "over budget" | "headroom" | "warm-up" (the auto wire's one sizing,
+    # which may lower it)}; the next dispatch uses it. Empty: unchanged.
     capacity_growth: dict[str, Any] = dataclasses.field(default_factory=dict)
     # Bytes this rank handed the all-to-alls in the step, every attempt (docs/run-record.md).
     bytes_sent: int = 0
@@ -742,7 +748,8 @@ class PagedStashRunner:
         }
         fits = [f"{name} >= {value}" for name, value in suggested.items() if value is not None]
         if record.capacity_growth:
-            fits.append(f"a2a_capacity_factor {record.capacity_growth['to']:g}, which it now has")
+            growth = record.capacity_growth
+            fits.append(f"{growth['factor']} {growth['to']:g}, which it now has")
         growing = self.grow_pool and bool(overflow)
         return (
             f"PagedStashRunner: step {record.step} reruns dropless without the paged stash "
@@ -794,9 +801,11 @@ class PagedStashRunner:
     ) -> None:
         if record.overbudget_ranks and self.dispatchers:
             d = self.dispatchers[0]
-            # The dispatcher's budget is per (source, destination) pair: size from that peak.
+            # te_paged's budget is per (source, destination) pair: size from that peak; a
+            # receive budget (Megatron's HybridEP) from the rows a rank was sent.
+            peak = record.peak_tokens if getattr(d, "receive_budget", False) else peak_pair_tokens
             fit = d.fitting_capacity_factor(
-                d.last_num_tokens, math.ceil(peak_pair_tokens * _MARGIN), expert_buffer=True
+                d.last_num_tokens, math.ceil(peak * _MARGIN), expert_buffer=True
             )
             record.suggested_capacity_factor = fit
         if record.stash_overflow_ranks:
@@ -817,6 +826,8 @@ class PagedStashRunner:
         <te_paged.moe.StaticBudgetDispatcher.wire_auto>`) only watches until its
         ``auto_wire_steps``-th call, then takes the factor of the largest demand it saw, lower
         too. Records and logs a change."""
+        if self.grow_capacity:
+            self._size_receive_budgets(record, why)
         wire = self._wire()
         if not self.grow_capacity or wire is None or not wire.last_num_tokens:
             return
@@ -852,7 +863,13 @@ class PagedStashRunner:
         for d in self.dispatchers:
             if d.a2a_capacity_factor is not None:
                 d.set_a2a_capacity_factor(min(want, d.capacity_factor))
-        record.capacity_growth = {"from": old, "to": want, "needed": needed, "why": why}
+        record.capacity_growth = {
+            "factor": "a2a_capacity_factor",
+            "from": old,
+            "to": want,
+            "needed": needed,
+            "why": why,
+        }
         self._log(
             logging.INFO,
             f"PagedStashRunner: step {record.step}: {_CAPACITY_WHY[why]} (largest pair demand "
@@ -862,6 +879,45 @@ class PagedStashRunner:
             f"{self.capacity_headroom:g}"
             + (", capped at the expert buffer's factor" if want == ceiling else "")
             + "); the next dispatch uses it",
+        )
+
+    def _size_receive_budgets(self, record: StepRecord, why: str) -> None:
+        """Raise the receive budgets (dispatchers with ``receive_budget``: Megatron's HybridEP,
+        which has no wire) to the factor that holds the step's peak rows at one rank
+        (``record.peak_tokens``, reduced over the ranks) x ``capacity_headroom``, when that is
+        above their factor; bounded by ``max_capacity_factor``. Records and logs a change."""
+        grown = [d for d in self.dispatchers if getattr(d, "receive_budget", False)]
+        d = grown[0] if grown else None
+        if d is None or not d.last_num_tokens or d.capacity_factor is None:
+            return
+        n, peak = d.last_num_tokens, record.peak_tokens
+        needed = d.fitting_capacity_factor(n, peak)
+        limit = self.max_capacity_factor
+        if limit is not None and needed > limit:
+            raise CapacityLimitError(
+                f"step {record.step}: a rank was sent up to {peak} rows, which needs "
+                f"moe_expert_rank_capacity_factor >= {needed}, more than max_capacity_factor="
+                f"{limit} allows ({n} tokens per rank, top-{d.config.moe_router_topk}): raise "
+                "max_capacity_factor, or balance the routing (the router's aux loss)"
+            )
+        want = d.fitting_capacity_factor(n, math.ceil(peak * self.capacity_headroom))
+        if limit is not None:
+            want = min(want, limit)
+        old = d.capacity_factor
+        if want <= old:
+            return
+        for each in grown:
+            each.set_capacity_factor(want)
+        record.capacity_growth = {
+            "factor": "moe_expert_rank_capacity_factor", "from": old, "to": want,
+            "needed": needed, "why": why,
+        }  # fmt: skip
+        self._log(
+            logging.INFO,
+            f"PagedStashRunner: step {record.step}: {_RECEIVE_WHY[why]} (peak {peak} rows at a "
+            f"rank, budget {record.budget_tokens}), so moe_expert_rank_capacity_factor rises "
+            f"{old:g} -> {want:g} (needed {needed:g} x capacity_headroom "
+            f"{self.capacity_headroom:g}); the next dispatch uses it",
         )
 
     def _page_bytes(self, key: StashKey) -> int:

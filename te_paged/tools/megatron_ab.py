@@ -115,6 +115,10 @@ class MegatronModelConfig(ModelConfig):
     #: "gpt" (Megatron-core's GPTModel) or "hybrid" (0.19.2's HybridModel, attention and MoE
     #: layers alternating: :func:`hybrid_layer_pattern`).
     model: str = "gpt"
+    #: megatron-core 0.19.2's flex backend beside the rank capacity factor: "ncclep" (te_paged's
+    #: own dispatcher replaces it) or "hybridep" (Megatron's HybridEP dispatcher is kept where
+    #: ``deep_ep`` imports, e.g. the tests' stand-in; te_paged's otherwise).
+    flex_backend: str = "ncclep"
 
     def __post_init__(self) -> None:
         self.tokens = self.seq_length * self.micro_batch_size  # per rank and microbatch
@@ -122,6 +126,8 @@ class MegatronModelConfig(ModelConfig):
             raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
         if self.model not in MODELS:
             raise ValueError(f"model must be one of {MODELS}, got {self.model!r}")
+        if self.flex_backend not in ("ncclep", "hybridep"):
+            raise ValueError(f"flex_backend must be ncclep or hybridep, got {self.flex_backend!r}")
 
 
 #: The runners a Megatron step can be driven by (:attr:`MegatronModelConfig.runner`).
@@ -278,7 +284,9 @@ def _build(cfg: MegatronModelConfig, paged: bool, ep: int, device: torch.device,
     model_parallel_cuda_manual_seed(cfg.seed, force_reset_rng=True)
     torch.manual_seed(cfg.seed)
     _reset_aux_loss_tracker()
-    native, overrides = split_paged_stash_fields(**_paged_stash_fields(cfg, paged))
+    native, overrides = split_paged_stash_fields(
+        cfg.flex_backend, **_paged_stash_fields(cfg, paged)
+    )
     tcfg = _transformer_config(cfg, ep, native)
     # The MLP spec is replaced below: ask for the plain one (no deprecation notice).
     loop = MegatronLoopAdapter(

@@ -137,12 +137,15 @@ PAGED_STASH_FIELDS = (
 _OVERRIDABLE = (*PAGED_STASH_FIELDS, "use_transformer_engine_op_fuser")
 
 
-def split_paged_stash_fields(**fields: object) -> tuple[dict[str, object], dict[str, object]]:
+def split_paged_stash_fields(
+    flex_backend: str = "ncclep", **fields: object
+) -> tuple[dict[str, object], dict[str, object]]:
     """``(TransformerConfig kwargs, spec overrides)`` for te_paged's ``fields`` on the installed
     megatron-core: the fields its config has go on the config, where its users set them (with
     what 0.19.2's ``TransformerConfig`` requires beside a rank capacity factor: the ``"flex"``
-    dispatcher with the ``"ncclep"`` backend, which te_paged's layer replaces and never
-    builds); the rest are overrides.
+    dispatcher with a backend, ``flex_backend``: ``"ncclep"``, which te_paged's layer replaces
+    and never builds, or ``"hybridep"``, which it keeps where ``deep_ep`` imports, with the
+    ``use_transformer_engine_op_fuser`` 0.19.2 asks for beside it); the rest are overrides.
     """
     from te_paged.integrations.megatron.releases import installed_release
 
@@ -151,7 +154,9 @@ def split_paged_stash_fields(**fields: object) -> tuple[dict[str, object], dict[
     native = {k: v for k, v in fields.items() if k in PAGED_STASH_FIELDS}
     overrides = {k: v for k, v in fields.items() if k not in PAGED_STASH_FIELDS}
     if native.get("moe_expert_rank_capacity_factor") is not None:
-        native.update(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="ncclep")
+        native.update(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend=flex_backend)
+        if flex_backend == "hybridep":  # 0.19.2 asks for the op fuser beside HybridEP's budget
+            native["use_transformer_engine_op_fuser"] = True
     return native, overrides
 
 

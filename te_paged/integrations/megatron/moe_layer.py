@@ -1,4 +1,5 @@
-"""``PagedStashMoELayer``: Megatron-core's ``MoELayer`` with te_paged's static-budget dispatcher.
+"""``PagedStashMoELayer``: Megatron-core's ``MoELayer`` on a static budget: te_paged's dispatcher,
+or Megatron's HybridEP dispatcher where it imports.
 
 Importing this module imports Megatron (the class derives from Megatron's ``MoELayer``);
 :func:`~te_paged.integrations.megatron.get_te_paged_moe_spec` imports it only when the config
@@ -6,7 +7,7 @@ has ``moe_expert_rank_capacity_factor``.
 
 The layer is Megatron's, routing, shared experts, recompute and all; only the token dispatcher
 is replaced (Megatron's constructor builds its own first, from ``moe_token_dispatcher_type``,
-which is then unused). It takes part in the runner protocol
+which is then unused), or, with HybridEP, wrapped. It takes part in the runner protocol
 (:class:`~te_paged.moe.participant.PagedStashParticipant`): it reports its dispatcher; its
 experts report their stash manager. While the dispatcher is dropless (the runner's rerun), the
 experts' rows are dynamic and the layer keeps them out of the stash
@@ -25,6 +26,7 @@ from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantizat
 
 from te_paged.integrations.megatron.common import compute_device, group_size, megatron_moe_config
 from te_paged.integrations.megatron.dispatcher import StaticBudgetTokenDispatcher
+from te_paged.integrations.megatron.flex import FlexTokenDispatcher, keeps_flex_dispatcher
 from te_paged.integrations.megatron.loop import MegatronLoopAdapter
 from te_paged.moe import PagedStashParticipant, StaticBudgetDispatcher
 from te_paged.stash import PagedStashManager
@@ -58,7 +60,8 @@ def check_static_budget_config(config: object, tp_size: int = 1) -> None:
 
 
 class PagedStashMoELayer(MoELayer, PagedStashParticipant):
-    """Megatron's ``MoELayer`` whose token dispatcher is :class:`StaticBudgetTokenDispatcher`.
+    """Megatron's ``MoELayer`` whose token dispatcher is :class:`StaticBudgetTokenDispatcher`
+    (or, with HybridEP, :class:`~te_paged.integrations.megatron.flex.FlexTokenDispatcher`).
 
     Megatron's constructor arguments (``config, submodules, layer_number, pg_collection``, and
     whatever else the release's ``TransformerLayer`` passes, e.g. 0.19.2's ``is_mtp_layer`` and
@@ -66,11 +69,13 @@ class PagedStashMoELayer(MoELayer, PagedStashParticipant):
     (te_paged-only config fields, e.g. the capacity factor, see
     :func:`~te_paged.integrations.megatron.megatron_moe_config`).
 
-    A config that selects Megatron's ``"flex"`` dispatcher (HybridEP, NCCL EP or DeepEP: a
-    0.19.2 config written for Megatron's own paged stash must) never builds it: ``MoELayer``'s
-    constructor sees a copy of the config with ``moe_token_dispatcher_type="alltoall"`` (a
-    dispatcher that needs no communication library, replaced right after), and the layer keeps
-    the user's config.
+    A config that selects Megatron's ``"flex"`` dispatcher (a 0.19.2 config written for
+    Megatron's own paged stash must) keeps it with the HybridEP backend where ``deep_ep``
+    imports: :class:`~te_paged.integrations.megatron.flex.FlexTokenDispatcher` wraps it, only
+    real rows cross the wire. Otherwise (NCCL EP, DeepEP, or no HybridEP library, e.g. on CPU)
+    it never builds it: ``MoELayer``'s constructor sees a copy of the config with
+    ``moe_token_dispatcher_type="alltoall"`` (a dispatcher that needs no communication library,
+    replaced right after by te_paged's), and the layer keeps the user's config.
     """
 
     def __init__(
@@ -85,7 +90,8 @@ class PagedStashMoELayer(MoELayer, PagedStashParticipant):
         **megatron_kwargs: object,
     ) -> None:
         build_config = config
-        if getattr(config, "moe_token_dispatcher_type", None) == "flex":
+        keep_flex = keeps_flex_dispatcher(config)
+        if getattr(config, "moe_token_dispatcher_type", None) == "flex" and not keep_flex:
             build_config = copy.copy(config)  # a shallow copy: __post_init__ does not run again
             build_config.moe_token_dispatcher_type = "alltoall"
         super().__init__(build_config, submodules, layer_number, pg_collection, **megatron_kwargs)
@@ -94,13 +100,24 @@ class PagedStashMoELayer(MoELayer, PagedStashParticipant):
         cfg = megatron_moe_config(config, **dict(overrides or {}))
         #: te_paged's side of Megatron's own PagedStashRunner (Megatron-LM's training loop).
         self.loop = loop if loop is not None else MegatronLoopAdapter()
-        self.token_dispatcher = StaticBudgetTokenDispatcher(
-            cfg,
-            self.ep_group,
-            align=get_align_size_for_quantization(config),
-            device=compute_device(),
-            loop=self.loop,
-        )
+        self.token_dispatcher: StaticBudgetTokenDispatcher | FlexTokenDispatcher
+        if keep_flex:  # Megatron's HybridEP dispatcher, te_paged's seams around it
+            self.token_dispatcher = FlexTokenDispatcher(
+                self.token_dispatcher,
+                cfg,
+                self.ep_group,
+                align=get_align_size_for_quantization(config),
+                device=compute_device(),
+                loop=self.loop,
+            )
+        else:
+            self.token_dispatcher = StaticBudgetTokenDispatcher(
+                cfg,
+                self.ep_group,
+                align=get_align_size_for_quantization(config),
+                device=compute_device(),
+                loop=self.loop,
+            )
         self.loop.register(self)
         if layer_number is not None:
             self._number_experts(layer_number)

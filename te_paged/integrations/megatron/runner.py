@@ -157,12 +157,14 @@ class MegatronPagedStashRunner(PagedStashRunner):
 
     ``MegatronPagedStashRunner(model, optimizer=None, config=None, *, forward_backward_func=None,
     max_consecutive_fallbacks=3, grow_pool=True, grow_headroom=1.10, per_rank_pools=False,
-    max_pool_bytes=None, measure_fallback_memory=False, before_rerun=None, keep_records=1000,
+    max_pool_bytes=None, grow_capacity=True, capacity_headroom=1.10, max_capacity_factor=None,
+    auto_wire_steps=8, measure_fallback_memory=False, before_rerun=None, keep_records=1000,
     on_record=None, timeout=None, restorables=())``:
     ``model`` is the list of model chunks (Megatron DDP wrappers, or bare modules) or one chunk;
     ``optimizer`` Megatron's optimizer (its gradients are zeroed before a rerun); ``config`` the
     model's ``TransformerConfig`` (default: the first chunk's). ``before_rerun`` runs after
-    everything above was restored and zeroed; the pool sizing (``grow_pool`` and the rest),
+    everything above was restored and zeroed; the pool sizing (``grow_pool`` and the rest), the
+    wire's (``grow_capacity`` and the rest),
     ``records``, ``on_record``, ``timeout`` and ``restorables`` as in :class:`PagedStashRunner`.
     """
 
@@ -178,6 +180,10 @@ class MegatronPagedStashRunner(PagedStashRunner):
         grow_headroom: float = 1.10,
         per_rank_pools: bool = False,
         max_pool_bytes: int | None = None,
+        grow_capacity: bool = True,
+        capacity_headroom: float = 1.10,
+        max_capacity_factor: float | None = None,
+        auto_wire_steps: int = 8,
         measure_fallback_memory: bool = False,
         before_rerun: Callable[[], None] | None = None,
         keep_records: int = 1000,
@@ -195,6 +201,10 @@ class MegatronPagedStashRunner(PagedStashRunner):
             grow_headroom=grow_headroom,
             per_rank_pools=per_rank_pools,
             max_pool_bytes=max_pool_bytes,
+            grow_capacity=grow_capacity,
+            capacity_headroom=capacity_headroom,
+            max_capacity_factor=max_capacity_factor,
+            auto_wire_steps=auto_wire_steps,
             measure_fallback_memory=measure_fallback_memory,
             before_rerun=before_rerun,
             keep_records=keep_records,
