@@ -6,48 +6,45 @@ and torchtitan's HybridEP token dispatcher run on CPU ranks. A test installs it 
 ``deep_ep`` module before the caller imports it (``functional_tests/stand_ins/
 hybrid_ep_installed.py``); nothing in te_paged imports it.
 
-The contract, as the public callers state it:
+The contract, from DeepEP's source (``deepseek-ai/DeepEP``, branch ``hybrid-ep`` at
+``94a9f8f``: ``deep_ep/hybrid_ep_buffer.py`` = PY, ``csrc/hybrid_ep/hybrid_ep.cu`` = CU,
+``csrc/hybrid_ep/executor/executor.cu`` = EX, ``csrc/hybrid_ep/extension/permute.cu`` = PERM,
+``csrc/hybrid_ep/backend/hybrid_ep_backend.cuh`` = BK) and its callers (megatron-core 0.19.2
+``megatron/core/transformer/moe/fused_a2a.py`` = MEG; torchtitan 0.3.0
+``torchtitan/distributed/deepep/hybridep.py`` = TT):
 
 * ``HybridEPBuffer(group, hidden_dim, max_num_of_tokens_per_rank, num_local_experts,
-  use_fp8=False, **tuning)``; ``buffer.configurer.buffer_config`` holds the sizes
-  (megatron-core 0.19.2 ``megatron/core/transformer/moe/fused_a2a.py:328-335``; torchtitan
-  0.3.0 ``torchtitan/distributed/deepep/hybridep.py:433-451``, which reads
-  ``configurer.buffer_config.{hidden_dim, max_num_of_tokens_per_rank,
-  num_of_experts_per_rank}``).
-* ``dispatch_with_permute(hidden, routing_map, probs, scaling_factor, num_of_experts_per_rank,
-  pad_multiple, num_permuted_tokens, non_blocking)`` returns ``(hidden, probs, scaling_factor,
-  tokens_per_expert, handle)``: the rows this rank's local experts receive, grouped by local
-  expert (the experts' grouped GEMM reads them by ``tokens_per_expert``), their routing
-  probabilities (``[rows]`` float32), and a handle for combine (fused_a2a.py:418-434;
-  hybridep.py:160-169). With ``handle=`` (the backward of combine) the same routing is
-  replayed for ``hidden`` alone (fused_a2a.py:506-513; hybridep.py:281-287).
-* ``num_permuted_tokens`` is the output's row count, given up front so that nothing waits on
-  the device (``non_blocking``; fused_a2a.py:414-416); ``None`` sizes it from the routing
-  (HybridEP's host wait). Rows "whose permuted offset exceeds that limit are silently dropped"
-  (hybridep.py:176-181) and "dispatch then sets overflow_flag on the handle", read as
-  ``handle[-1] != 0`` (token_dispatcher.py:1093-1094 and 1159-1161).
-* ``pad_multiple`` pads each local expert's rows to a multiple (FP8/MXFP8 GEMM alignment;
-  fused_a2a.py:594-596, hybridep.py:390-391: "Pad per-expert token groups to this multiple").
-  Megatron's dropless path sizes combine's buffer as ``tokens_per_expert.sum()``
-  (token_dispatcher.py:1166-1169), so ``tokens_per_expert`` counts the padded rows.
-* ``combine_with_unpermute(hidden, probs=None, handle, pad_multiple)`` returns
-  ``(combined [tokens, H], combined_probs)``: each token's rows summed back on its source rank
-  (the probabilities were applied by the experts; Megatron applies none in combine,
-  torchtitan multiplies before it: hybridep.py:501-509); with ``probs`` (the backward of
-  dispatch) also their gradient per (token, expert), ``[tokens, experts]`` (fused_a2a.py:
-  453-459; hybridep.py:325-331 gathers it at the top-k indices).
-* ``deep_ep.hybrid_ep_buffer.indices_to_map(topk_idx, topk_weights, num_tokens, num_experts)``
-  turns top-k indices into the boolean ``[tokens, experts]`` map and dense probabilities
-  (hybridep.py:145-149).
+  use_fp8=False, **tuning)`` (PY:35-56; MEG:339-346); ``configurer.buffer_config`` holds the
+  sizes torchtitan reads (TT:433-451).
+* ``dispatch_with_permute(*, hidden, routing_map, probs, scaling_factor, num_of_experts_per_rank,
+  pad_multiple, num_permuted_tokens, non_blocking, handle)`` (PY:289-432) returns ``(hidden,
+  probs, scaling_factor, tokens_per_expert, handle)`` (PY:414-432): the rows this rank's local
+  experts receive, grouped by local expert in ascending order, within an expert by source rank
+  then source token (BK:4908-4915, 5160-5190), each expert's block padded with zero rows to
+  ``pad_multiple`` (PERM:191-233); probabilities ``[rows]`` float32 (CU:315-317). With
+  ``handle=`` (combine's backward) the same routing and drops are replayed (PY:380-397).
+* ``num_permuted_tokens`` given: exactly that many rows (CU:313-314), and with ``pad_multiple``
+  it must be a multiple of it (PY:351-356); the rows past the used ones are not written
+  (uninitialised: CU:313-317). ``None``: sized to the routing after a host wait (EX:165-176).
+* Past the budget: a row whose position in that padded layout is at or past
+  ``num_permuted_tokens`` is dropped (BK:5430-5432), a cut at the tail of the last experts;
+  the overflow flag, ``handle[-1]``, int32 ``[1]`` (EX:117-118), is 1 when the padded demand
+  exceeds the budget (BK:5212-5220), and is written only with ``non_blocking`` (otherwise it
+  holds garbage: JIT:304, EX:135-146). ``tokens_per_expert`` (int64 ``[local experts]``) counts
+  the rows *kept*, padded (BK:5191-5211; PERM:46-61): not the routing's demand.
+* ``combine_with_unpermute(*, hidden, probs=None, handle, pad_multiple=None)`` returns
+  ``(combined [tokens, H], combined_probs)`` (PY:434-479): each token's rows summed back on its
+  source rank, unweighted (callers apply the probabilities: Megatron in the experts, TT before
+  combine); with ``probs`` (dispatch's backward) also their gradient per (token, expert),
+  ``[tokens, experts]``, zero where not routed or dropped (PERM:340-353).
+* ``deep_ep.hybrid_ep_buffer.indices_to_map(topk_idx, topk_weights, num_tokens,
+  num_experts)`` turns top-k indices into the boolean map and dense probabilities (TT:145-149).
 
-Choices where those sources are silent (a test must not depend on them beyond what is stated):
-rows within an expert are ordered by (source rank, token); the rows past the budget are the
-last in that order (the tail of the last experts); padding rows are zero with probability 0;
-``tokens_per_expert`` counts the rows the routing asked for, padded, before any drop (what a
-caller needs to size the next attempt); the overflow flag is an int32 ``[1]`` tensor; each
-token's contributions are summed in ascending expert order. It moves rows with
-``all_gather`` and ``all_to_all_single`` of equal splits (gloo's) and reads counts on the host:
-it is slow and not sync-free, which only matters on a GPU, where the real library runs.
+The stand-in's own choices: uninitialised rows are NaN (so a reader of them is seen), the
+blocking mode's flag is -7 (garbage), each token's rows are summed in ascending expert order
+(DeepEP accumulates in fp32; the tests compare runs that share this stand-in), and it moves
+rows with ``all_gather`` and ``all_to_all_single`` of equal splits (gloo's) and reads counts
+on the host: slow and not sync-free, which only matters on a GPU, where the real library runs.
 """
 
 from __future__ import annotations
@@ -124,6 +121,7 @@ class HybridEPBuffer:
         num_local_experts: int,
         pad_multiple: int | None,
         num_permuted_tokens: int | None,
+        non_blocking: bool,
     ) -> _Handle:
         """The receive layout of one routing: per output row its (source rank, token, local
         expert) or -1 (padding or dropped), the kept rows, per-expert counts, the flag."""
@@ -148,16 +146,21 @@ class HybridEPBuffer:
             counts.append(padded)
         src_R, tok_R, exp_R = (torch.cat(x) for x in (src, tok, exp))
         total = src_R.numel()
+        if non_blocking and num_permuted_tokens is None:
+            raise ValueError("non_blocking dispatch needs num_permuted_tokens")
         out_rows = total if num_permuted_tokens is None else int(num_permuted_tokens)
-        overflow = torch.tensor([int(total > out_rows)], dtype=torch.int32)
-        keep = slice(0, min(total, out_rows))  # the tail past the budget is dropped
-        pad_rows = max(0, out_rows - total)
-        empty = torch.full((pad_rows,), -1, dtype=torch.int64)
-        src_R = torch.cat([src_R[keep], empty])
-        tok_R = torch.cat([tok_R[keep], empty])
-        exp_R = torch.cat([exp_R[keep], empty])
-        tokens_per_expert = torch.tensor(counts, dtype=torch.int64)
-        return _Handle((n, experts, routing_PNE, src_R, tok_R, exp_R, tokens_per_expert,
+        if num_permuted_tokens is not None and non_blocking and out_rows % pad:
+            raise ValueError(f"num_permuted_tokens={out_rows} is not a multiple of {pad}")
+        flag = int(total > out_rows) if non_blocking else -7  # blocking: never written
+        overflow = torch.tensor([flag], dtype=torch.int32)
+        used = min(total, out_rows)  # the tail past the budget is dropped
+        starts = torch.tensor([0, *counts]).cumsum(0)[:-1]
+        kept = (used - starts).clamp(min=0).minimum(torch.tensor(counts))
+        unused = torch.full((out_rows - used,), -2, dtype=torch.int64)  # never written
+        src_R = torch.cat([src_R[:used], unused])
+        tok_R = torch.cat([tok_R[:used], unused])
+        exp_R = torch.cat([exp_R[:used], unused])
+        return _Handle((n, experts, routing_PNE, src_R, tok_R, exp_R, kept.to(torch.int64),
                         overflow))  # fmt: skip
 
     # ----------------------------------------------------------------------------- dispatch
@@ -182,14 +185,17 @@ class HybridEPBuffer:
             if routing_map is None:
                 raise ValueError("dispatch_with_permute needs routing_map or a handle")
             local = num_of_experts_per_rank or self.num_local_experts
-            handle = self._layout(routing_map, local, pad_multiple, num_permuted_tokens)
+            handle = self._layout(
+                routing_map, local, pad_multiple, num_permuted_tokens, non_blocking
+            )
         self.calls.append(("dispatch", None if num_permuted_tokens is None else
                            int(num_permuted_tokens)))  # fmt: skip
         _, experts, _, src_R, tok_R, exp_R, tokens_per_expert, _ = handle
         hidden_PNH = self._gather(hidden)
-        real = src_R >= 0
+        real, unwritten = src_R >= 0, src_R == -2
         out_RH = hidden.new_zeros(src_R.numel(), hidden.shape[-1])
         out_RH[real] = hidden_PNH[src_R[real], tok_R[real]]
+        out_RH[unwritten] = float("nan")
         out_probs = None
         if probs is not None:
             local = experts // self.world
@@ -197,6 +203,7 @@ class HybridEPBuffer:
             out_probs = torch.zeros(src_R.numel(), dtype=torch.float32)
             cols = self.rank * local + exp_R[real]
             out_probs[real] = probs_PNE[src_R[real], tok_R[real], cols]
+            out_probs[unwritten] = float("nan")
         return out_RH, out_probs, None, tokens_per_expert.clone(), handle
 
     # ------------------------------------------------------------------------------ combine

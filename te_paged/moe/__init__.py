@@ -5,6 +5,7 @@ from te_paged.moe.dispatcher import DispatchHandle, StaticBudgetDispatcher, stat
 from te_paged.moe.experts import TEGroupedMLP
 from te_paged.moe.layer import MoELayer, init_expert_weights_
 from te_paged.moe.participant import PagedStashParticipant, Participants, find_participants
+from te_paged.moe.receive_budget import ReceiveBudget, kept_per_expert
 from te_paged.moe.recompute import CheckpointWithoutOutput
 from te_paged.moe.router import RouterOutput, RoutingSkew, TopKRouter
 
@@ -14,6 +15,7 @@ __all__ = [
     "MoELayer",
     "PagedStashParticipant",
     "Participants",
+    "ReceiveBudget",
     "RouterOutput",
     "RoutingSkew",
     "StaticBudgetDispatcher",
@@ -22,5 +24,6 @@ __all__ = [
     "as_moe_config",
     "find_participants",
     "init_expert_weights_",
+    "kept_per_expert",
     "static_budget",
 ]

@@ -311,6 +311,7 @@ class PagedStashRunner:
         self.auto_wire_steps = auto_wire_steps
         self._auto_wire_seen = 0  # training steps an auto wire has watched
         self._auto_wire_peak = 0  # their largest pair demand
+        self._receive_pending = False  # a receive budget to size after the rerun
         if max_pool_bytes is not None:
             require_int("max_pool_bytes", max_pool_bytes, minimum=1)
         if timeout is not None and not isinstance(timeout, datetime.timedelta):
@@ -690,11 +691,13 @@ class PagedStashRunner:
             self._check_pool_bound(record, per_rank)
         if overbudget and not forward_only:
             self._size_capacity(record, "over budget")
+        #: A receive budget went over: sized after the rerun (size_receive_after_rerun).
+        self._receive_pending = bool(overbudget) and self.grow_capacity and not forward_only
         if self.consecutive_fallbacks >= self.max_consecutive_fallbacks and not forward_only:
             fits = [
                 f"{name} to >= {value}"
                 for name, value in (
-                    ("moe_expert_rank_capacity_factor", record.suggested_capacity_factor),
+                    (self._factor_name(), record.suggested_capacity_factor),
                     (
                         "moe_paged_stash_buffer_size_factor_cuda",
                         record.suggested_buffer_size_factor_cuda,
@@ -730,6 +733,12 @@ class PagedStashRunner:
                 f"{record.peak_pair_tokens} rows, pair capacity {record.pair_capacity} at "
                 f"a2a_capacity_factor {record.a2a_capacity_factor:g})"
             )
+        elif over and self._receive_budgets():
+            why.append(
+                f"over the receive budget on rank(s) {over} (budget {record.budget_tokens} rows "
+                "a rank; the rerun measures what the step needed"
+                + (", and the budget grows to it)" if self.grow_capacity else ")")
+            )
         elif over:
             why.append(
                 f"over the token budget on rank(s) {over} (peak {record.peak_tokens} tokens "
@@ -743,7 +752,7 @@ class PagedStashRunner:
         if expert_fit is not None and held and expert_fit <= min(held):
             expert_fit = None  # the expert buffer held it: the wire was the limit
         suggested = {
-            "moe_expert_rank_capacity_factor": expert_fit,
+            self._factor_name(): expert_fit,
             "moe_paged_stash_buffer_size_factor_cuda": record.suggested_buffer_size_factor_cuda,
         }
         fits = [f"{name} >= {value}" for name, value in suggested.items() if value is not None]
@@ -799,17 +808,22 @@ class PagedStashRunner:
     def _suggest(
         self, record: StepRecord, peak_pair_tokens: int, per_rank: list[_RankStats]
     ) -> None:
-        if record.overbudget_ranks and self.dispatchers:
-            d = self.dispatchers[0]
-            # te_paged's budget is per (source, destination) pair: size from that peak; a
-            # receive budget (Megatron's HybridEP) from the rows a rank was sent.
-            peak = record.peak_tokens if getattr(d, "receive_budget", False) else peak_pair_tokens
+        # te_paged's budget is per (source, destination) pair: size from that peak. A receive
+        # budget (HybridEP's) reports what it kept, so only its rerun can tell what it needed.
+        d = self.dispatchers[0] if self.dispatchers else None
+        if record.overbudget_ranks and d is not None and not getattr(d, "receive_budget", False):
             fit = d.fitting_capacity_factor(
-                d.last_num_tokens, math.ceil(peak * _MARGIN), expert_buffer=True
+                d.last_num_tokens, math.ceil(peak_pair_tokens * _MARGIN), expert_buffer=True
             )
             record.suggested_capacity_factor = fit
         if record.stash_overflow_ranks:
             record.suggested_buffer_size_factor_cuda = self._fitting_pool_factor(record, per_rank)
+
+    def _factor_name(self) -> str:
+        """The name users set the dispatchers' budget factor by (a framework's own, e.g.
+        torchtitan HybridEP's ``non_blocking_capacity_factor``)."""
+        d = self.dispatchers[0] if self.dispatchers else None
+        return getattr(d, "factor_name", "moe_expert_rank_capacity_factor")
 
     def _wire(self) -> StaticBudgetDispatcher | None:
         """The first dispatcher with a wire budget (the group's ranks send blocks), if any."""
@@ -826,7 +840,7 @@ class PagedStashRunner:
         <te_paged.moe.StaticBudgetDispatcher.wire_auto>`) only watches until its
         ``auto_wire_steps``-th call, then takes the factor of the largest demand it saw, lower
         too. Records and logs a change."""
-        if self.grow_capacity:
+        if self.grow_capacity and why != "over budget":  # that one: after the rerun measured it
             self._size_receive_budgets(record, why)
         wire = self._wire()
         if not self.grow_capacity or wire is None or not wire.last_num_tokens:
@@ -881,22 +895,47 @@ class PagedStashRunner:
             + "); the next dispatch uses it",
         )
 
+    def _receive_budgets(self) -> list[StaticBudgetDispatcher]:
+        """The dispatchers whose budget is a receive buffer (``receive_budget``: HybridEP's)."""
+        return [d for d in self.dispatchers if getattr(d, "receive_budget", False)]
+
+    def size_receive_after_rerun(self, record: StepRecord) -> None:
+        """After the dropless rerun of a step that went over budget (te_paged's rerun, or
+        Megatron's runner's through :class:`~te_paged.integrations.megatron.MegatronLoopAdapter`;
+        nothing otherwise): for receive budgets, the rows a rank was sent,
+        as the rerun measured them (a receive budget's dispatcher reports what it kept, at
+        most its budget, so the failed attempt cannot say what it needed), reduced over the
+        group (one ``all_reduce`` and host read, on the rerun path only), then the budgets
+        sized from them (:meth:`_size_receive_budgets`)."""
+        pending, self._receive_pending = self._receive_pending, False
+        budgets = self._receive_budgets()
+        if not pending or not budgets:
+            return
+        device = self._device()
+        peak = torch.stack([d.peak_tokens.to(device) for d in budgets]).max()
+        if self._world()[1] > 1:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.group)
+        record.peak_tokens = max(record.peak_tokens, int(peak))
+        self._size_receive_budgets(record, "over budget")
+
     def _size_receive_budgets(self, record: StepRecord, why: str) -> None:
         """Raise the receive budgets (dispatchers with ``receive_budget``: Megatron's HybridEP,
         which has no wire) to the factor that holds the step's peak rows at one rank
         (``record.peak_tokens``, reduced over the ranks) x ``capacity_headroom``, when that is
         above their factor; bounded by ``max_capacity_factor``. Records and logs a change."""
-        grown = [d for d in self.dispatchers if getattr(d, "receive_budget", False)]
+        grown = self._receive_budgets()
         d = grown[0] if grown else None
         if d is None or not d.last_num_tokens or d.capacity_factor is None:
             return
         n, peak = d.last_num_tokens, record.peak_tokens
         needed = d.fitting_capacity_factor(n, peak)
+        if why == "over budget":
+            record.suggested_capacity_factor = needed
         limit = self.max_capacity_factor
         if limit is not None and needed > limit:
             raise CapacityLimitError(
                 f"step {record.step}: a rank was sent up to {peak} rows, which needs "
-                f"moe_expert_rank_capacity_factor >= {needed}, more than max_capacity_factor="
+                f"{d.factor_name} >= {needed}, more than max_capacity_factor="
                 f"{limit} allows ({n} tokens per rank, top-{d.config.moe_router_topk}): raise "
                 "max_capacity_factor, or balance the routing (the router's aux loss)"
             )
@@ -906,16 +945,20 @@ class PagedStashRunner:
         old = d.capacity_factor
         if want <= old:
             return
+        rows_before = d.rank_budget(n, old)
         for each in grown:
             each.set_capacity_factor(want)
+        want = d.capacity_factor  # as the budget took it (at most its max_factor)
+        for manager in self.managers:  # the experts' buffers grow with the budget
+            manager.scale_static_peaks(d.rank_budget(n, want) / max(1, rows_before))
         record.capacity_growth = {
-            "factor": "moe_expert_rank_capacity_factor", "from": old, "to": want,
+            "factor": d.factor_name, "from": old, "to": want,
             "needed": needed, "why": why,
         }  # fmt: skip
         self._log(
             logging.INFO,
             f"PagedStashRunner: step {record.step}: {_RECEIVE_WHY[why]} (peak {peak} rows at a "
-            f"rank, budget {record.budget_tokens}), so moe_expert_rank_capacity_factor rises "
+            f"rank, budget {record.budget_tokens}), so {d.factor_name} rises "
             f"{old:g} -> {want:g} (needed {needed:g} x capacity_headroom "
             f"{self.capacity_headroom:g}); the next dispatch uses it",
         )
@@ -1006,6 +1049,7 @@ class PagedStashRunner:
             if self.before_rerun is not None:
                 self.before_rerun()
             result, peak, method = self._measured(step_fn)
+        self.size_receive_after_rerun(record)
         record.attempt = 2
         record.enabled = False
         record.fallback_peak_bytes, record.fallback_memory_method = peak, method

@@ -37,6 +37,7 @@ import dataclasses
 import enum
 import functools
 import logging
+import math
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -445,6 +446,15 @@ class PagedStashManager:
         pool of the static peak saves nothing over not stashing; none can need more)."""
         peak = self._peaks[key]
         return peak.peak_balanced_pages, peak.peak_pages, peak.peak_static_pages
+
+    def scale_static_peaks(self, ratio: float) -> None:
+        """The static buffers grew by ``ratio`` since the capture step (a runner raised a
+        receive budget): so do the capture step's static peaks, the bound pool growth keeps
+        to (a pool of the old bound would overflow on every step the new buffers fill)."""
+        if ratio > 1:
+            for peak in self._peaks.values():
+                peak.peak_static_pages = math.ceil(peak.peak_static_pages * ratio)
+                peak.max_rows = math.ceil(peak.max_rows * ratio)
 
     @property
     def keys(self) -> list[StashKey]:

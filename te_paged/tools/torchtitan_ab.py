@@ -77,6 +77,10 @@ class TorchtitanModelConfig(ModelConfig):
     max_consecutive_fallbacks: int = 3
     measure_memory: bool = True
     steps: int = 3
+    #: torchtitan's HybridEP dispatcher (``moe_comm_backend="hybridep"``) in its non-blocking
+    #: mode with this ``non_blocking_capacity_factor``, kept by te_paged (its overflows rerun);
+    #: None: te_paged's static-budget dispatcher. HybridEP must import (tests: the stand-in).
+    hybridep_factor: float | None = None
 
     def __post_init__(self) -> None:
         self.tokens = self.seq_length * self.micro_batch_size  # per rank and step
@@ -190,8 +194,8 @@ def model_spec(cfg: TorchtitanModelConfig):
         router_top_k=cfg.topk,
         router_score_func="softmax",
         attn_backend="flex",
-        moe_comm_backend="standard",
-        non_blocking_capacity_factor=None,
+        moe_comm_backend="standard" if cfg.hybridep_factor is None else "hybridep",
+        non_blocking_capacity_factor=cfg.hybridep_factor,
         rope=ComplexRoPE.Config(dim=rope, max_seq_len=cfg.seq_length, theta=10000.0),
     )
     model = DeepSeekV3Model.Config(

@@ -10,7 +10,7 @@ where HybridEP imports (``deep_ep.HybridEPBuffer``), :class:`PagedStashMoELayer`
 Megatron's dispatcher and wraps it in :class:`FlexTokenDispatcher`, which adds what te_paged's
 runners need and changes nothing it sends:
 
-* :class:`FlexBudget`, the runner-facing counters (a :class:`StaticBudgetDispatcher` with no
+* :class:`FlexBudget`, the runner-facing counters (a :class:`~te_paged.moe.ReceiveBudget`: no
   wire of its own): ``over_budget`` from HybridEP's overflow flag (the handle's last entry,
   read on the device, never on the host), ``peak_tokens`` from ``tokens_per_expert``,
   ``budget_tokens`` from ``num_permuted_tokens``; ``dropless`` (the runner's rerun) clears the
@@ -18,8 +18,9 @@ runners need and changes nothing it sends:
   buffer from the routing (its one host read) and drops nothing; otherwise the manager gets
   the budget's factor, which the runner raises after a step over it (``grow_capacity``: the
   step's peak x ``capacity_headroom``, like Megatron-LM main's NCCL EP capacity growth);
-* the experts get ``tokens_per_expert`` clipped to the buffer (:func:`kept_per_expert`), so
-  a step over budget is flagged and rerun, never taken for invalid counts;
+* the experts get ``tokens_per_expert`` clipped to the buffer
+  (:func:`~te_paged.moe.kept_per_expert`), so a step over budget is flagged and rerun, never
+  taken for invalid counts;
 * Megatron's own ``PagedStashRunner`` reaches te_paged's :class:`MegatronLoopAdapter` through
   the same seams as with te_paged's dispatcher (:class:`MegatronRunnerSeams`).
 
@@ -34,21 +35,19 @@ Importing this module does not import Megatron.
 from __future__ import annotations
 
 import importlib.util
-import math
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from te_paged.config import MoEConfig
-from te_paged.config.checks import require_real
 from te_paged.integrations.megatron.dispatcher import MegatronRunnerSeams, hybrid_ep_rank_budget
-from te_paged.moe import StaticBudgetDispatcher
+from te_paged.moe import ReceiveBudget, kept_per_expert
 
 if TYPE_CHECKING:
     from te_paged.integrations.megatron.loop import MegatronLoopAdapter
 
-__all__ = ["FlexBudget", "FlexTokenDispatcher", "keeps_flex_dispatcher", "kept_per_expert"]
+__all__ = ["FlexBudget", "FlexTokenDispatcher", "keeps_flex_dispatcher"]
 
 #: The flex backends te_paged keeps (the others get te_paged's own dispatcher).
 KEPT_BACKENDS = ("hybridep",)
@@ -69,30 +68,9 @@ def keeps_flex_dispatcher(config: object) -> bool:
     return bool(getattr(fused_a2a, "HAVE_HYBRIDEP", False))
 
 
-def kept_per_expert(tokens_per_expert: torch.Tensor, rows: int) -> torch.Tensor:
-    """The rows of each expert that fit a buffer of ``rows``, HybridEP's rows past the budget
-    being the tail of the expert-grouped order: the counts clipped where their running sum
-    passes ``rows`` (unchanged when nothing was dropped). Device arithmetic, no host read, so
-    the experts and the stash never see counts past their buffer.
-
-    >>> kept_per_expert(torch.tensor([3, 4, 2]), 5).tolist()
-    [3, 2, 0]
-    """
-    ends = tokens_per_expert.cumsum(0).clamp(max=rows)
-    return torch.diff(ends, prepend=ends.new_zeros(1))
-
-
-class FlexBudget(StaticBudgetDispatcher):
-    """What te_paged's runners read and switch on a layer whose tokens Megatron's flex
-    dispatcher moves: the device counters of :class:`StaticBudgetDispatcher`
-    (``over_budget``, ``peak_tokens``, ``invalid_indices``, ``dropless_bytes``) and its
-    dropless switches, without a wire (``a2a_capacity_factor`` is ``None``: HybridEP sends
-    only real rows, so the runner has no wire to size). Its own ``dispatch``/``combine`` are
-    not used."""
-
-    #: The budget is what one rank receives (HybridEP's ``num_permuted_tokens``), not a pair's:
-    #: runners size it from ``peak_tokens``.
-    receive_budget = True
+class FlexBudget(ReceiveBudget):
+    """The :class:`~te_paged.moe.ReceiveBudget` of Megatron's HybridEP dispatcher: its budget
+    rule (``setup_metadata``: ``int(N·K·factor)`` rounded up to the alignment)."""
 
     def __init__(
         self,
@@ -102,54 +80,8 @@ class FlexBudget(StaticBudgetDispatcher):
         align: int,
         device: Any = None,
     ) -> None:
-        # HybridEP's budget rule (setup_metadata): int(N·K·factor), rounded up to the alignment.
         rule = hybrid_ep_rank_budget(config.moe_router_topk, align, 1)
-        super().__init__(config, ep_group, device=device, rank_budget=rule)
-        self._a2a = None  # no wire: HybridEP writes only the real rows
-        self.wire_auto = False
-
-    def set_capacity_factor(self, factor: float) -> None:
-        """The receive budget's factor from the next dispatch on (host only; every rank of the
-        group sets the same): the runner's growth after a step over budget."""
-        self._capacity_factor = require_real("capacity_factor", factor, strict=True)
-
-    def fitting_capacity_factor(
-        self, num_tokens: int, peak_tokens: int, *, expert_buffer: bool = True
-    ) -> float:
-        """Smallest factor, in steps of 0.01, whose receive budget for ``num_tokens`` local
-        tokens (HybridEP's rule) holds ``peak_tokens`` rows arriving at one rank."""
-        balanced = max(1, num_tokens * self.config.moe_router_topk)
-        factor = max(0.01, math.ceil(100 * peak_tokens / balanced) / 100)
-        while self.rank_budget(num_tokens, factor) < peak_tokens:
-            factor = round(factor + 0.01, 2)
-        return factor
-
-    def dispatch(self, *args: object, **kwargs: object) -> Any:
-        raise TypeError("FlexBudget does not dispatch: Megatron's flex dispatcher does")
-
-    def combine(self, *args: object, **kwargs: object) -> Any:
-        raise TypeError("FlexBudget does not combine: Megatron's flex dispatcher does")
-
-    def note_dispatch(
-        self,
-        num_tokens: int,
-        budget_rows: int,
-        tokens_per_expert: torch.Tensor,
-        overflow: torch.Tensor | None,
-        row_bytes: int,
-    ) -> None:
-        """One HybridEP dispatch of ``num_tokens`` local tokens into ``budget_rows`` rows
-        (0: dropless), with its device ``tokens_per_expert`` and overflow flag (``None``:
-        dropless). Device arithmetic only."""
-        self.last_num_tokens = num_tokens
-        received = tokens_per_expert.sum().to(self.peak_tokens.device, torch.int64)
-        torch.maximum(self.peak_tokens, received, out=self.peak_tokens)
-        # Dispatch, combine and their two backwards move the real rows, and only those.
-        self.dropless_bytes.add_(received * (4 * row_bytes))
-        if overflow is not None:
-            self.budget_tokens = budget_rows
-            over = (overflow.reshape(-1) != 0).any().to(self.over_budget.device, torch.int64)
-            self.over_budget.add_(over)
+        super().__init__(config, ep_group, rank_budget=rule, device=device)
 
 
 class FlexTokenDispatcher(MegatronRunnerSeams):

@@ -345,6 +345,8 @@ class MegatronLoopAdapter:
                 engine.consecutive_fallbacks = 0
                 if capturing and engine.grow_pool:
                     engine._grow_after_capture(record)
+        if self._record is not None:  # after Megatron's rerun: what it measured
+            engine.size_receive_after_rerun(record)
         wire = engine._wire()
         if wire is not None and record.a2a_capacity_factor is None:
             record.a2a_capacity_factor = wire.a2a_capacity_factor

@@ -27,6 +27,12 @@ the first step; absent from torch 2.13)          has under that private name
 division`` (FSDP2 then reduce-scatters with      comms(True)`` on each FSDP module: a plain SUM,
 ``PREMUL_SUM``, which gloo lacks)                which with a divide factor of 1 is the same
 (``fsdp_sum``)                                   arithmetic
+torchtitan's HybridEP custom ops (``hybridep::     CPU kernels: the same Python functions, which
+dispatch``, ``combine``, ``dispatch_bwd``,       call whatever ``deep_ep`` is installed (on
+``combine_bwd``), registered for CUDA only; the  CPU: a test's stand-in; the real library needs
+module imports ``torch._library.opaque_object.   CUDA); ``CustomClassBase`` is torch 2.13's
+CustomClassBase``, absent from torch 2.13        ``torch._opaque_base.OpaqueBase``, the base
+(``hybridep_ops``)                               ``register_opaque_type`` asks for
 ===============================================  ===============================================
 
 A CPU run also needs two config choices, not shims: ``training.disable_cuda_graphs=True``
@@ -47,7 +53,7 @@ import torch
 __all__ = ["SHIMS", "install", "installed"]
 
 #: The shims, in the order :func:`install` applies them.
-SHIMS = ("device", "set_timeout", "fsdp_sum")
+SHIMS = ("device", "set_timeout", "fsdp_sum", "hybridep_ops")
 
 #: Modules that bind ``device_type``/``device_module`` from ``torchtitan.tools.utils`` at import.
 _BINDERS = (
@@ -56,6 +62,9 @@ _BINDERS = (
     "torchtitan.distributed.parallel_dims",
     "torchtitan.models.common.token_dispatcher",
 )
+
+#: torchtitan's HybridEP custom ops (``torchtitan.distributed.deepep.hybridep``), CUDA-only.
+_HYBRIDEP_OPS = ("_dispatch_impl", "_combine_impl", "_dispatch_bwd_impl", "_combine_bwd_impl")
 
 _installed = False
 
@@ -113,6 +122,10 @@ def install() -> None:
     utils = importlib.import_module("torchtitan.tools.utils")
     binders = [importlib.import_module(name) for name in _BINDERS]
     fsdp = importlib.import_module("torchtitan.distributed.fsdp")
+    opaque = importlib.import_module("torch._library.opaque_object")
+    if not hasattr(opaque, "CustomClassBase"):  # torch 2.13's name for it
+        opaque.CustomClassBase = importlib.import_module("torch._opaque_base").OpaqueBase
+    hybridep = importlib.import_module("torchtitan.distributed.deepep.hybridep")
     missing = [
         f"{m.__name__}.{attr}"
         for m, attr in [
@@ -121,6 +134,7 @@ def install() -> None:
             (utils, "get_local_device"),
             (fsdp, "disable_fsdp_gradient_division"),
             *((m, "device_type") for m in binders),
+            *((hybridep, name) for name in _HYBRIDEP_OPS),
         ]
         if not hasattr(m, attr)
     ]
@@ -139,4 +153,7 @@ def install() -> None:
     if not hasattr(torch.distributed, "set_timeout"):
         torch.distributed.set_timeout = _set_timeout
     fsdp.disable_fsdp_gradient_division = _disable_division_sum
+    for name in _HYBRIDEP_OPS:
+        op = getattr(hybridep, name)
+        op.register_kernel("cpu")(op._init_fn)
     _installed = True

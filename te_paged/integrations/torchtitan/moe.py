@@ -38,12 +38,14 @@ from torchtitan.config import derive
 from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
 from torchtitan.models.common.token_dispatcher import (
     AllToAllTokenDispatcher,
+    HybridEPTokenDispatcher,
     LocalTokenDispatcher,
 )
 from torchtitan.protocols.model import ModelConfigConverter
 
 from te_paged.config import MoEConfig
 from te_paged.grouped.grouped_tensor import splits_are_invalid
+from te_paged.integrations.torchtitan.hybridep import PagedHybridEPTokenDispatcher
 from te_paged.kernels.layout import Flag
 from te_paged.markers import mark_grouped_tensor
 from te_paged.moe import DispatchHandle, PagedStashParticipant, StaticBudgetDispatcher
@@ -284,7 +286,7 @@ class PagedRoutedExperts(RoutedExperts, PagedStashParticipant):
 
     def budget_dispatchers(self) -> tuple[StaticBudgetDispatcher, ...]:
         dispatcher = self.token_dispatcher
-        if not isinstance(dispatcher, StaticBudgetTokenDispatcher):
+        if not isinstance(dispatcher, (StaticBudgetTokenDispatcher, PagedHybridEPTokenDispatcher)):
             return ()
         return (dispatcher.budget(_param_device(self.inner_experts)),)
 
@@ -296,9 +298,9 @@ class PagedRoutedExperts(RoutedExperts, PagedStashParticipant):
         num_local_tokens_per_expert_E: torch.Tensor,
     ) -> torch.Tensor:
         dispatcher = self.token_dispatcher
-        budgeted = isinstance(dispatcher, StaticBudgetTokenDispatcher) and (
-            dispatcher.capacity_factor is not None
-        )
+        budgeted = isinstance(
+            dispatcher, (StaticBudgetTokenDispatcher, PagedHybridEPTokenDispatcher)
+        ) and (dispatcher.capacity_factor is not None)
         if budgeted and self.runner is None and torch.is_grad_enabled() and self.training:
             raise RuntimeError(
                 "te_paged's MoE layer is training without a step runner: its static budget "
@@ -359,11 +361,25 @@ def convert_node(node: Any, *, fqn: str = "routed_experts", **options: Any) -> A
             "torchtitan's GroupedExperts (apply te_paged's converter before, or instead "
             "of, converters that replace the experts)"
         )
-    if type(dispatcher) not in (*_STANDARD_DISPATCHERS, StaticBudgetTokenDispatcher.Config):
+    hybridep = type(dispatcher) in (
+        HybridEPTokenDispatcher.Config, PagedHybridEPTokenDispatcher.Config
+    )  # fmt: skip
+    if not hybridep and type(dispatcher) not in (
+        *_STANDARD_DISPATCHERS, StaticBudgetTokenDispatcher.Config
+    ):  # fmt: skip
         raise ValueError(
             f"{fqn}.token_dispatcher is {type(dispatcher).__qualname__}: te_paged replaces "
             "the standard dispatcher (moe_comm_backend='standard') with its static-budget "
-            "one; it does not stack on DeepEP, HybridEP or other backends"
+            "one, or keeps HybridEP's (moe_comm_backend='hybridep', non-blocking) and reruns "
+            "the steps it drops tokens in; it does not stack on DeepEP or MinimalAsyncEP "
+            "(MinimalAsyncEP's worst-case buffer cannot overflow)"
+        )
+    if hybridep and dispatcher.non_blocking_capacity_factor is None:
+        raise ValueError(
+            f"{fqn}.token_dispatcher is HybridEP in its blocking mode: set "
+            "non_blocking_capacity_factor in (0, 1] (the static budget te_paged's experts page "
+            "against; te_paged reruns the steps that go over it), or use "
+            "moe_comm_backend='standard'"
         )
     new = (
         node
@@ -371,7 +387,9 @@ def convert_node(node: Any, *, fqn: str = "routed_experts", **options: Any) -> A
         else derive(node, PagedRoutedExperts.Config)
     )
     new.inner_experts = derive(experts, PagedGroupedExperts.Config, **expert_opts)
-    if isinstance(dispatcher, StaticBudgetTokenDispatcher.Config):
+    if hybridep:  # its own budget (non_blocking_capacity_factor); te_paged's factors unused
+        new.token_dispatcher = derive(dispatcher, PagedHybridEPTokenDispatcher.Config)
+    elif isinstance(dispatcher, StaticBudgetTokenDispatcher.Config):
         new.token_dispatcher = derive(dispatcher, type(dispatcher), **dispatch_opts)
     else:
         new.token_dispatcher = derive(
@@ -383,12 +401,16 @@ def convert_node(node: Any, *, fqn: str = "routed_experts", **options: Any) -> A
 def convert_moe(model_config: Any, **options: Any) -> Any:
     """Turn every ``RoutedExperts.Config`` of a torchtitan model config into a paged-stash one
     (in place; also returned): experts → :class:`PagedGroupedExperts`, dispatcher →
-    :class:`StaticBudgetTokenDispatcher`. ``options``: ``moe_expert_rank_capacity_factor``,
+    :class:`StaticBudgetTokenDispatcher` (a non-blocking HybridEP dispatcher is kept, as
+    :class:`~te_paged.integrations.torchtitan.hybridep.PagedHybridEPTokenDispatcher`, whose
+    dropped tokens rerun the step; its budget is its ``non_blocking_capacity_factor``).
+    ``options``: ``moe_expert_rank_capacity_factor``,
     ``moe_a2a_capacity_factor`` (the wire; ``None``: auto) and the stash knobs of
     :data:`STASH_FIELDS`, by te_paged's names. Already converted nodes get the new options.
     Raises ``ValueError`` for experts other than torchtitan's
     ``GroupedExperts`` (e.g. the fused-w13 override, MXFP8) and dispatchers other than the
-    ``standard`` backend's, whose communication the static budget would replace silently."""
+    ``standard`` backend's and HybridEP's, whose communication the static budget would replace
+    silently."""
     found = 0
     for fqn, node, parent, attr in list(model_config.traverse(RoutedExperts.Config)):
         found += 1

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from functional_tests.stand_ins import deep_ep
-from te_paged.integrations.megatron.flex import kept_per_expert
+from te_paged.moe import kept_per_expert
 
 
 @pytest.fixture
@@ -46,7 +46,7 @@ def _dispatch(group, **kw):
 
 def test_rows_are_grouped_by_expert_padded_and_combined_back(group) -> None:
     buffer, hidden, (rows, probs, scale, tokens_per_expert, handle) = _dispatch(
-        group, pad_multiple=4, num_permuted_tokens=8
+        group, pad_multiple=4, num_permuted_tokens=8, non_blocking=True
     )
     assert scale is None
     assert tokens_per_expert.tolist() == [4, 4]  # 2 and 2 rows, each padded to 4
@@ -66,18 +66,33 @@ def test_rows_are_grouped_by_expert_padded_and_combined_back(group) -> None:
 
 
 def test_rows_past_the_budget_are_the_tail_and_set_the_flag(group) -> None:
-    _, hidden, (rows, _, _, tokens_per_expert, handle) = _dispatch(group, num_permuted_tokens=3)
+    _, hidden, (rows, _, _, tokens_per_expert, handle) = _dispatch(
+        group, num_permuted_tokens=3, non_blocking=True
+    )
     assert rows.shape == (3, 3)  # the budget's rows, whatever the routing asked
     assert torch.equal(rows, torch.stack([hidden[0], hidden[2], hidden[0]]))  # token 1 dropped
-    assert tokens_per_expert.tolist() == [2, 2]  # what was asked, before the drop
+    assert tokens_per_expert.tolist() == [2, 1]  # what was kept (DeepEP clamps), not asked
     assert int(handle[-1]) == 1
-    assert kept_per_expert(tokens_per_expert, rows.shape[0]).tolist() == [2, 1]
+    assert kept_per_expert(tokens_per_expert, rows.shape[0]).tolist() == [2, 1]  # unchanged
+
+
+def test_rows_past_the_used_ones_are_unwritten(group) -> None:
+    _, _, (rows, probs, _, tokens_per_expert, handle) = _dispatch(
+        group, num_permuted_tokens=6, non_blocking=True
+    )
+    assert tokens_per_expert.tolist() == [2, 2] and int(handle[-1]) == 0
+    assert not rows[:4].isnan().any() and rows[4:].isnan().all()  # garbage, not zeros
+    assert probs[4:].isnan().all()
 
 
 def test_without_a_budget_the_rows_are_sized_from_the_routing(group) -> None:
-    _, _, (rows, _, _, tokens_per_expert, handle) = _dispatch(group)
-    assert rows.shape[0] == int(tokens_per_expert.sum()) == 4
-    assert int(handle[-1]) == 0
+    _, _, (rows, _, _, tokens_per_expert, _) = _dispatch(group)
+    assert rows.shape[0] == int(tokens_per_expert.sum()) == 4  # the flag is not written
+
+
+def test_a_budget_must_be_whole_padded_blocks(group) -> None:
+    with pytest.raises(ValueError, match="multiple of 4"):
+        _dispatch(group, pad_multiple=4, num_permuted_tokens=6, non_blocking=True)
 
 
 def test_indices_to_map_matches_the_dense_routing() -> None:

@@ -1,0 +1,89 @@
+"""Worker of ``test_torchtitan_hybridep.py``: torchtitan's HybridEP dispatcher kept by te_paged.
+
+4 CPU ranks, EP 4, the HybridEP stand-in (``functional_tests/stand_ins/deep_ep.py``) installed
+as ``deep_ep`` and torchtitan's HybridEP custom ops given CPU kernels (the torchtitan CPU
+shims). Each case trains a fresh :class:`~te_paged.integrations.torchtitan.PagedStashTrainer`
+with ``moe_comm_backend="hybridep"`` in its non-blocking mode and compares, per step, the loss,
+every gradient shard and every parameter shard with an OFF run, bitwise:
+
+* ``parity``: factor 1.0 (HybridEP's worst case: nothing can be dropped), ON vs OFF;
+* ``overflow``: rank 0's routing skewed to expert 0, factor 0.25 (the balanced rows): HybridEP
+  drops rows past the budget and sets its flag; te_paged's reduction sees it and the step reruns
+  dropless, against an OFF run at factor 1.0 of the same routing, which never dropped;
+* ``overflow_fixed``: the same without ``grow_capacity``: every step reruns (the growth is
+  what lets later steps keep their first attempt).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from functional_tests.torchtitan.worker import BASE
+
+STEPS = 3
+SKEW = 20.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+
+    import torch
+    import torch.distributed as dist
+
+    import functional_tests.stand_ins.hybrid_ep_installed  # noqa: F401  (deep_ep stand-in)
+    from te_paged.integrations.torchtitan import cpu_shims
+
+    cpu_shims.install()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    from te_paged.tools.torchtitan_ab import TorchtitanModelConfig, quiet_torchtitan, train
+
+    quiet_torchtitan()
+    rank, device = dist.get_rank(), torch.device("cpu")
+
+    def run(paged: bool, **kw):
+        return train(TorchtitanModelConfig(**{**BASE, "steps": STEPS, **kw}), paged, device)
+
+    def compare(on, off) -> list[dict]:
+        out = []
+        for i, (a, b) in enumerate(zip(on.steps, off.steps, strict=True)):
+            out.append({
+                "loss_equal": a.loss == b.loss,
+                "grads_equal": all(torch.equal(x, y) for x, y in zip(on.grads[i], off.grads[i])),
+                "params_equal": all(torch.equal(x, y)
+                                    for x, y in zip(on.params[i], off.params[i])),
+                "attempt": a.attempt,
+                "overbudget_ranks": a.overbudget_ranks,
+                "stashes": a.stashes,
+                "pops": a.pops,
+                "capacity_growth": a.record["capacity_growth"],
+                "budget_tokens": a.record["budget_tokens"],
+                "peak_tokens": a.record["peak_tokens"],
+            })  # fmt: skip
+        return out
+
+    parity_off = run(False, hybridep_factor=1.0)
+    never = run(False, hybridep_factor=1.0, skew=SKEW)
+    cases = {
+        "parity": compare(run(True, hybridep_factor=1.0), parity_off),
+        "overflow": compare(run(True, hybridep_factor=0.25, skew=SKEW), never),
+        "overflow_fixed": compare(
+            run(True, hybridep_factor=0.25, skew=SKEW, grow_capacity=False), never
+        ),
+    }
+    result = {"world_size": dist.get_world_size(), "rank": rank, "cases": cases}
+    (args.out / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    sys.exit(main())

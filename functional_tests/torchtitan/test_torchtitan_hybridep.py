@@ -1,0 +1,79 @@
+"""torchtitan's HybridEP dispatcher kept by te_paged: dropped tokens rerun, never kept.
+
+One launch of ``hybridep_worker.py`` (4 CPU ranks, EP 4, the HybridEP stand-in); the tests read
+its per-rank JSON. torchtitan alone never reads HybridEP's overflow flag, so a step over its
+``non_blocking_capacity_factor`` trains on fewer tokens; under ``PagedStashTrainer`` that step
+reruns dropless, bitwise equal to a run whose budget never dropped anything.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from functional_tests.launch import forkrun
+from functional_tests.prelaunch import alone
+from functional_tests.torchtitan import hybridep_worker
+
+pytest.importorskip("torchtitan")  # installed by scripts/test.sh; never skipped in CI
+
+WORLD_SIZE = 4
+
+
+def _launch(out) -> list[dict]:
+    forkrun(
+        ["-m", "functional_tests.torchtitan.hybridep_worker", "--out", str(out)],
+        nproc=WORLD_SIZE,
+        timeout_s=360,
+        preload=("te_paged.tools.preload_torchtitan",),
+        env={"PYTHONWARNINGS": "ignore"},
+    )
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
+
+
+LAUNCH = alone("torchtitan hybridep", _launch)
+LAUNCHES = [LAUNCH]
+
+
+@pytest.fixture(scope="module")
+def results(launches):
+    return launches.result(LAUNCH)
+
+
+def _steps(results, case):
+    steps = [(r["rank"], s) for r in results for s in r["cases"][case]]
+    assert len(steps) == WORLD_SIZE * hybridep_worker.STEPS
+    return steps
+
+
+@pytest.mark.parametrize("case", ["parity", "overflow", "overflow_fixed"])
+def test_every_step_equals_a_run_that_dropped_nothing(results, case):
+    for rank, s in _steps(results, case):
+        assert s["loss_equal"] and s["grads_equal"] and s["params_equal"], (case, rank, s)
+
+
+def test_in_budget_steps_are_paged_without_a_rerun(results):
+    for _rank, s in _steps(results, "parity"):
+        assert s["attempt"] == 1 and s["overbudget_ranks"] == 0
+        assert s["stashes"] == s["pops"] > 0
+
+
+def test_a_dropping_step_reruns_and_the_budget_grows_to_what_the_rerun_measured(results):
+    by_rank = {}
+    for rank, s in _steps(results, "overflow"):
+        by_rank.setdefault(rank, []).append(s)
+    for rank, steps in by_rank.items():
+        first = steps[0]
+        assert first["attempt"] == 2 and first["overbudget_ranks"] > 0, (rank, first)
+        growth = first["capacity_growth"]
+        assert growth["factor"] == "non_blocking_capacity_factor", growth
+        assert growth["why"] == "over budget" and growth["from"] == 0.25 < growth["to"] <= 1.0
+        # Measured by the rerun: the peak is past the budget the attempt had.
+        assert first["peak_tokens"] > first["budget_tokens"], first
+        assert steps[-1]["attempt"] == 1, steps  # the grown budget holds a later step
+
+
+def test_without_growth_every_dropping_step_reruns(results):
+    for _rank, s in _steps(results, "overflow_fixed"):
+        assert s["attempt"] == 2 and s["overbudget_ranks"] > 0 and s["capacity_growth"] == {}

@@ -1,0 +1,118 @@
+"""torchtitan's HybridEP token dispatcher, made safe: a step that dropped tokens is rerun.
+
+torchtitan 0.3.0's ``HybridEPTokenDispatcher`` with ``non_blocking_capacity_factor`` (its
+static, sync-free mode) sizes the receive buffer as ``T · EP · min(local experts, K) · factor``
+(``torchtitan/distributed/deepep/hybridep.py``, ``_num_permuted_tokens_for_non_blocking``) and
+drops the rows past it without reading HybridEP's overflow flag: "tokens whose permuted offset
+exceeds that limit are silently dropped" (the same file, in ``_dispatch_impl``). So a step
+whose routing overran the budget trains on fewer tokens, and nothing says so.
+
+:class:`PagedHybridEPTokenDispatcher` is that dispatcher, unchanged in what it sends, plus
+te_paged's :class:`~te_paged.moe.ReceiveBudget`: after each dispatch it adds the handle's
+overflow flag (its last entry, read on the device) to the budget's over-budget counter, which
+:class:`~te_paged.integrations.torchtitan.PagedStashTrainer`'s per-step reduction reads, so the
+step reruns dropless (HybridEP's blocking mode: exact rows, nothing dropped) instead of being
+kept; the runner then raises the factor to the step's peak x ``capacity_headroom`` (at most
+1.0, the worst case). The experts get the counts clipped to the buffer
+(:func:`~te_paged.moe.kept_per_expert`). :func:`~te_paged.integrations.torchtitan.convert_moe`
+keeps a ``HybridEPTokenDispatcher.Config`` as this one's config.
+
+torchtitan's MinimalAsyncEP cannot overflow: its receive buffer is the worst case,
+``EP · T · min(K, local experts)`` rows (``torchtitan/models/common/token_dispatcher.py``,
+``MinimalAsyncEPTokenDispatcher.dispatch``; ``distributed/minimal_async_ep/api.py``, the
+buffer's ``max_routed_tokens``), so there is no drop to rerun, and te_paged does not convert
+it (its experts keep torchtitan's).
+
+Importing this module imports torchtitan (and registers its HybridEP custom ops); HybridEP
+itself (``deep_ep``) is imported when the buffer is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torchtitan.models.common.token_dispatcher import HybridEPTokenDispatcher
+
+from te_paged.config import MoEConfig
+from te_paged.moe import ReceiveBudget, kept_per_expert
+
+__all__ = ["PagedHybridEPTokenDispatcher"]
+
+
+class PagedHybridEPTokenDispatcher(HybridEPTokenDispatcher):
+    """See the module docstring. Config: torchtitan's ``HybridEPTokenDispatcher.Config``;
+    ``non_blocking_capacity_factor`` must be set (the static budget; ``None``, torchtitan's
+    blocking mode, drops nothing and leaves nothing for a stash to cut)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(HybridEPTokenDispatcher.Config):
+        pass
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        factor = config.non_blocking_capacity_factor
+        if factor is None or not 0 < factor <= 1:
+            raise ValueError(
+                "te_paged keeps torchtitan's HybridEP dispatcher in its non-blocking mode only: "
+                f"set non_blocking_capacity_factor in (0, 1] (got {factor!r}); the blocking mode "
+                "waits on the host every layer and its buffers hold only real rows, so there is "
+                "nothing for paged stash to cut"
+            )
+        self.capacity_factor = factor
+        self._budget: ReceiveBudget | None = None
+
+    def budget(self, device: torch.device | str) -> ReceiveBudget:
+        """The runner-facing counters, built on first use with the wired EP group."""
+        if self._budget is None:
+            if self.ep_mesh is None:
+                raise RuntimeError("HybridEP dispatches over an EP mesh: wire_meshes first")
+            from torchtitan.distributed.deepep.hybridep import (
+                _num_permuted_tokens_for_non_blocking,
+            )
+
+            group, ep = self.ep_mesh.get_group(), self.ep_mesh.size()
+            local = self.num_experts // ep
+
+            def rule(num_tokens: int, factor: float) -> int:
+                return _num_permuted_tokens_for_non_blocking(
+                    num_tokens, ep, local, self.top_k, factor, pad_multiple=self.pad_multiple
+                )
+
+            config = MoEConfig(
+                hidden_size=self.hidden_dim,
+                num_moe_experts=self.num_experts,
+                moe_router_topk=self.top_k,
+                moe_expert_rank_capacity_factor=self.capacity_factor,
+                expert_model_parallel_size=ep,
+            )
+            self._budget = ReceiveBudget(
+                config, group, rank_budget=rule, max_factor=1.0,
+                factor_name="non_blocking_capacity_factor", device=device,
+            )  # fmt: skip
+        return self._budget
+
+    def dispatch(
+        self,
+        x_TD: torch.Tensor,
+        topk_scores_TK: torch.Tensor,
+        topk_expert_ids_TK: torch.Tensor,
+        num_local_tokens_per_expert_E: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        budget = self.budget(x_TD.device)
+        # The static budget, or HybridEP's blocking mode for the runner's dropless rerun.
+        self.non_blocking_capacity_factor = None if budget.dropless else budget.capacity_factor
+        routed_RD, counts_e, metadata = super().dispatch(
+            x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E
+        )
+        static = self.non_blocking_capacity_factor is not None
+        handle = metadata.state.handle.value
+        budget.note_dispatch(
+            x_TD.shape[0],
+            routed_RD.shape[0] if static else 0,
+            counts_e,
+            handle[-1] if static else None,
+            routed_RD.shape[-1] * routed_RD.element_size(),
+        )
+        return routed_RD, kept_per_expert(counts_e, routed_RD.shape[0]), metadata
