@@ -131,7 +131,7 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
             help="moe_a2a_capacity_factor: the rows te_paged's all-to-all sends each rank over "
             "the balanced case, at most --capacity-factor; the runner raises it as routing "
             "needs (default: auto, --capacity-factor for the first 8 steps, then their "
-            "largest pair demand x 1.10; not with the jax or torchtitan engine)",
+            "largest pair demand x 1.10; not with the jax engine)",
         )
     _knob(
         g,

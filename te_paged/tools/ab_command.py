@@ -170,7 +170,6 @@ def _check_torchtitan_args(args: argparse.Namespace) -> str | None:
         ("recompute", "--recompute"),
         ("op_fuser", "--op-fuser"),
         ("record_profile", "--record-profile"),
-        ("a2a_capacity_factor", "--a2a-capacity-factor"),
     ]
     refused += [(n, f"--{n.replace('_', '-')}") for n in _MEGATRON_ONLY
                 if n not in ("ep", "seq_length", "micro_batch_size")]  # fmt: skip

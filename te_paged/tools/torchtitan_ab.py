@@ -261,6 +261,7 @@ def trainer_config(cfg: TorchtitanModelConfig, paged: bool, world: int, dump_fol
         dump_folder=dump_folder,
         te_paged=TePagedConfig(
             moe_expert_rank_capacity_factor=cfg.capacity_factor,
+            moe_a2a_capacity_factor=cfg.a2a_capacity_factor,
             moe_paged_stash=paged,
             moe_paged_stash_page_size=cfg.page_size,
             moe_paged_stash_buffer_size_factor_cuda=cfg.buffer_factor_cuda,

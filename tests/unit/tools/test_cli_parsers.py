@@ -175,6 +175,18 @@ def test_ab_engine_torchtitan_refuses_what_it_cannot_run(monkeypatch, argv, mess
     assert message in (ab_command.check_ab_args(args) or "")
 
 
+def test_ab_engine_torchtitan_takes_the_wire_factor(monkeypatch) -> None:
+    # te_paged's dispatcher inside torchtitan has the wire too (the trainer's te_paged section).
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = cli._parser().parse_args(
+        ["ab", "--engine", "torchtitan", "--a2a-capacity-factor", "1.5"]
+    )
+    assert ab_command.check_ab_args(args) is None
+    assert ab_command.model_config(args).a2a_capacity_factor == 1.5
+    args = cli._parser().parse_args(["ab", "--engine", "jax", "--a2a-capacity-factor", "1.5"])
+    assert "--a2a-capacity-factor" in (ab_command.check_ab_args(args) or "")
+
+
 @pytest.mark.parametrize("engine", ["default", "megatron", "jax"])
 def test_activation_checkpoint_is_torchtitans_flag_only(monkeypatch, engine) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
