@@ -22,7 +22,7 @@ import os
 import sys
 from pathlib import Path
 
-from functional_tests.torchtitan.worker import BASE
+from functional_tests.torchtitan.worker import BASE, _same
 
 STEPS = 3
 SKEW = 20.0
@@ -55,9 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         for i, (a, b) in enumerate(zip(on.steps, off.steps, strict=True)):
             out.append({
                 "loss_equal": a.loss == b.loss,
-                "grads_equal": all(torch.equal(x, y) for x, y in zip(on.grads[i], off.grads[i])),
-                "params_equal": all(torch.equal(x, y)
-                                    for x, y in zip(on.params[i], off.params[i])),
+                "grads_equal": _same(on.grads[i], off.grads[i]),
+                "params_equal": _same(on.params[i], off.params[i]),
                 "attempt": a.attempt,
                 "overbudget_ranks": a.overbudget_ranks,
                 "stashes": a.stashes,
