@@ -275,10 +275,15 @@ def test_plan_says_a_totals_only_profile_gives_a_lower_bound(tmp_path, capsys) -
     # one profiled step cannot show a 1 % rerun rate: said, on stderr, with what would
     assert "profile has 1 step(s), too few for a 1.00% rerun rate" in totals.stderr
     assert "record at least 100 steps" in totals.stderr
-    assert "moe_expert_rank_capacity_factor        = 1.00" in totals.stdout
-    assert "so the capacity factor is a lower bound" in totals.stdout
-    assert "moe_expert_rank_capacity_factor        = 2.00" in pairs.stdout
-    assert "exact for te_paged's budget per (source, destination) rank pair" in pairs.stdout
+    assert "moe_a2a_capacity_factor                = 1.00" in totals.stdout
+    assert "so its factors are lower bounds (HybridEP's are exact)" in totals.stdout
+    assert "moe_a2a_capacity_factor                = 2.00" in pairs.stdout
+    assert "moe_expert_rank_capacity_factor        = 2.20  (the expert buffer" in pairs.stdout
+    assert "exact for its budget per (source, destination) rank pair" in pairs.stdout
+    # a receive budget (HybridEP's) sees 8 rows a rank either way: exact from the totals
+    for out in (totals.stdout, pairs.stdout):
+        assert "moe_expert_rank_capacity_factor        = 1.00  (Megatron's flex" in out
+        assert "non_blocking_capacity_factor           = 1.00  (torchtitan's" in out
 
 
 def test_plan_needs_exactly_one_source(capsys) -> None:

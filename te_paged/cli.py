@@ -5,7 +5,8 @@
                     [--pipeline-parallel 2 [--virtual-stages 2]] [--microbatches 4] ...
     te-paged ab     --engine jax [--ep 4] [model and run flags]   (one process, CPU)
     te-paged ab     --engine torchtitan [--ep 2] [--activation-checkpoint selective] ...
-    te-paged plan   --profile PATH [--target-rerun-rate R] [--host-spill]
+    te-paged plan   --profile PATH [--target-rerun-rate R] [--capacity-headroom H]
+                    [--pad-multiple M] [--host-spill]
     te-paged plan   --model deepseek-v3 --seq-length 4096 --micro-batch-size 2 --ep 4 \
                     [--ring-of-experts | --capacity-factor F] \
                     [--pipeline-parallel P [--virtual-stages V] [--microbatches M]]
@@ -355,9 +356,10 @@ def _plan_parser(sub, common: argparse.ArgumentParser) -> None:
         "plan",
         parents=[common],
         help="recommend capacity and buffer factors",
-        description="Recommend moe_expert_rank_capacity_factor and the stash "
-        "buffer factors from a routing profile, or print a named model's "
-        "sizes without running it.",
+        description="Recommend the capacity factors to start from (te_paged's wire and "
+        "expert buffer, HybridEP's receive budget in Megatron and torchtitan) and the stash "
+        "buffer factors from a routing profile, or print a named model's sizes without "
+        "running it.",
     )
     source = plan.add_argument_group("what to plan from (exactly one)")
     source = source.add_mutually_exclusive_group()
@@ -385,6 +387,20 @@ def _plan_parser(sub, common: argparse.ArgumentParser) -> None:
         metavar="R",
         help=f"fraction of profiled steps allowed to rerun ({pd['target_rerun_rate']}); the "
         "profile needs at least 1/R steps to measure it",
+    )
+    prof.add_argument(
+        "--capacity-headroom",
+        type=real(1),
+        metavar="H",
+        help="the runner's capacity_headroom, the margin te_paged's expert buffer gets over the "
+        f"largest profiled need ({pd['capacity_headroom']})",
+    )
+    prof.add_argument(
+        "--pad-multiple",
+        type=integer(1),
+        metavar="M",
+        help="HybridEP's pad_multiple: each expert's received rows rounded up to it in the "
+        f"receive budget ({pd['pad_multiple']}: none)",
     )
     prof.add_argument(
         "--host-spill",

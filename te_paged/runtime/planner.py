@@ -14,6 +14,10 @@ For one step:
   over layers and (source, destination) pairs of rows × P / (N·k)`` — exact: any pair over its
   budget reruns the step. Without it only the per-rank totals are known, and ``max over layers
   and ranks of received / (N·k)`` is a lower bound (a one-sided skew fills a pair first);
+* the **receive factor** a budget per receiving rank needs (Megatron's and torchtitan's
+  HybridEP dispatchers, which write only the real rows into one static buffer per rank): ``max
+  over layers and ranks of received / (N·k)``, exact from the totals, each local expert's rows
+  rounded up to HybridEP's ``pad_multiple`` when it pads;
 * the **CUDA buffer factor** it needs is ``max over ranks of Σ_layers received / (L·N·k)`` —
   the stash pool is shared by all layers, so skew averages over layers (the point of paging).
 
@@ -22,8 +26,8 @@ and rank 1 all 8 to expert 1 (rank 1). Each rank receives 8 = N·k rows (per-ran
 the pairs (0→0) and (1→1) carry 8 rows against ``C = cf·8/2``: the budget needs ``cf = 2.0``.
 
 A factor that covers the ``1 − target_rerun_rate`` quantile of the per-step needs reruns at
-most that fraction of steps. Memory per choice: the static buffers cost
-``capacity_factor × S`` and the pool ``buffer_factor × S``, with ``S`` the balanced-case bytes
+most that fraction of steps. Memory per choice: te_paged's static expert buffers cost
+``expert_capacity_factor × S`` and the pool ``buffer_factor × S``, with ``S`` the balanced-case bytes
 of the stashed activations (``N·k × bytes_per_token × L``).
 
 Under pipeline parallelism (:func:`pipeline_pool_plan`) a stage holds the saved activations of
@@ -131,15 +135,41 @@ class RoutingProfile:
         """Per step, the capacity factor the dispatch budget needed (see the module docstring:
         exact per pair with ``tokens_by_source``, else a per-rank lower bound)."""
         if self.tokens_by_source is None:
-            return [
-                max(map(max, self.received(s))) / self.balanced for s in range(len(self.tokens))
-            ]
+            return self.receive_needs()
         return [
             max(max(self._by_rank(src)) for sources in step for src in sources)
             * self.ep_size
             / self.balanced
             for step in self.tokens_by_source
         ]
+
+    def peak_received(self, pad_multiple: int = 1) -> list[int]:
+        """Per step, the most rows one rank received in one layer, each local expert's rows
+        rounded up to ``pad_multiple`` (HybridEP pads every expert's block to it)."""
+        per = self.num_experts // self.ep_size
+        pad = max(1, pad_multiple)
+        return [
+            max(
+                sum(-(-c // pad) * pad for c in counts[r * per : (r + 1) * per])
+                for counts in step
+                for r in range(self.ep_size)
+            )
+            for step in self.tokens
+        ]
+
+    def receive_needs(self, pad_multiple: int = 1) -> list[float]:
+        """Per step, the factor a budget per *receiving rank* needed (Megatron's HybridEP,
+        ``moe_expert_rank_capacity_factor × N·k`` rows): :meth:`peak_received` over the
+        balanced rows. Exact from per-expert totals; te_paged's per-pair budget needs at least
+        this much."""
+        return [rows / self.balanced for rows in self.peak_received(pad_multiple)]
+
+    @property
+    def worst_case_received(self) -> int:
+        """The rows one rank can receive at most, ``N·P·min(L, k)``: what torchtitan's
+        HybridEP ``non_blocking_capacity_factor`` multiplies (1.0 never drops)."""
+        local = self.num_experts // self.ep_size
+        return self.tokens_per_rank * self.ep_size * min(local, self.top_k)
 
     def buffer_needs(self) -> list[float]:
         needs = []
@@ -264,6 +294,15 @@ def min_profile_steps(target_rerun_rate: float) -> int:
 
 @dataclasses.dataclass
 class FactorChoice:
+    """What :func:`recommend` chose. ``capacity_factor`` is te_paged's per-pair budget: the
+    factor to start its wire at (``moe_a2a_capacity_factor``); ``expert_capacity_factor`` its
+    expert buffer (``moe_expert_rank_capacity_factor``), the largest profiled need ×
+    ``capacity_headroom``, room for the runner to raise the wire into after a step over it.
+    ``receive_capacity_factor`` is the same target for a budget per receiving rank (Megatron's
+    HybridEP dispatcher's ``moe_expert_rank_capacity_factor``), and
+    ``non_blocking_capacity_factor`` that budget as torchtitan's HybridEP states it, a fraction
+    of :attr:`RoutingProfile.worst_case_received` (at most 1.0)."""
+
     target_rerun_rate: float
     capacity_factor: float
     buffer_size_factor_cuda: float
@@ -274,6 +313,18 @@ class FactorChoice:
     static_bytes: int | None  # expert buffers' saved activations without stashing
     pool_bytes: int | None  # CUDA pool
     host_pool_bytes: int | None
+    expert_capacity_factor: float  # te_paged's expert buffer: the most the wire grows to
+    receive_capacity_factor: float  # a budget per receiving rank (Megatron HybridEP)
+    rerun_rate_receive: float  # fraction of profiled steps over the receive budget
+    non_blocking_capacity_factor: float  # the receive budget over the worst case (torchtitan)
+
+
+def _fitting(rows: int, whole: int) -> float:
+    """The smallest factor in steps of 0.01 whose ``int(whole × factor)`` holds ``rows``."""
+    factor = _round_up(rows / whole)
+    while int(whole * factor) < rows:
+        factor = round(factor + 0.01, 2)
+    return factor
 
 
 def recommend(
@@ -283,17 +334,28 @@ def recommend(
     host_spill: bool = False,
     bytes_per_token: int | None = None,
     num_layers: int | None = None,
+    capacity_headroom: float = 1.10,
+    pad_multiple: int = 1,
 ) -> FactorChoice:
-    """Factors whose profiled rerun rate is at most ``target_rerun_rate``.
+    """Factors whose profiled rerun rate is at most ``target_rerun_rate`` (see
+    :class:`FactorChoice`); ``capacity_headroom`` as the runner's (its default too), and
+    ``pad_multiple`` HybridEP's per-expert padding of the received rows.
 
     With ``host_spill`` the CUDA factor covers the median step and a host tier covers the rest
     up to the target quantile (spilling costs bandwidth, not a rerun).
     """
     if not 0 <= target_rerun_rate < 1:
         raise ValueError(f"target_rerun_rate must be in [0, 1), got {target_rerun_rate}")
+    if not capacity_headroom >= 1:
+        raise ValueError(f"capacity_headroom must be >= 1, got {capacity_headroom}")
     cap_needs, buf_needs = profile.capacity_needs(), profile.buffer_needs()
     q = 1 - target_rerun_rate
     cap = _round_up(max(1.0, _quantile(cap_needs, q)))
+    expert = max(cap, _round_up(max(cap_needs) * capacity_headroom))
+    received = profile.peak_received(pad_multiple)
+    recv_rows = max(profile.balanced, round(_quantile(received, q)))
+    recv = _fitting(recv_rows, profile.balanced)
+    non_blocking = min(1.0, _fitting(recv_rows, profile.worst_case_received))
     total = _round_up(_quantile(buf_needs, q))
     cuda, cpu = (_round_up(_quantile(buf_needs, 0.5)), 0.0) if host_spill else (total, 0.0)
     if host_spill:
@@ -311,9 +373,13 @@ def recommend(
         rerun_rate_capacity=sum(c > cap for c in cap_needs) / n,
         rerun_rate_stash=sum(b > cuda + cpu for b in buf_needs) / n,
         spill_rate=sum(cuda < b <= cuda + cpu for b in buf_needs) / n,
-        static_bytes=None if s_bytes is None else math.ceil(cap * s_bytes),
+        static_bytes=None if s_bytes is None else math.ceil(expert * s_bytes),
         pool_bytes=None if s_bytes is None else math.ceil(cuda * s_bytes),
         host_pool_bytes=None if s_bytes is None else math.ceil(cpu * s_bytes),
+        expert_capacity_factor=expert,
+        receive_capacity_factor=recv,
+        rerun_rate_receive=sum(r > int(profile.balanced * recv) for r in received) / n,
+        non_blocking_capacity_factor=non_blocking,
     )
 
 

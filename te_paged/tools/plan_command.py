@@ -32,6 +32,8 @@ MODEL_DEFAULTS: dict[str, object] = {
 #: ``--profile``'s flags and their defaults.
 PROFILE_DEFAULTS: dict[str, object] = {
     "target_rerun_rate": 0.01,
+    "capacity_headroom": 1.10,  # PagedStashRunner's
+    "pad_multiple": 1,
     "host_spill": False,
     "hidden": None,
     "ffn": None,
@@ -240,16 +242,45 @@ def run_plan_command(args: argparse.Namespace) -> int:
     bpt = None
     if args.hidden and args.ffn:
         bpt = planner.stashed_bytes_per_token(args.hidden, args.ffn, itemsize=args.dtype_bytes)
-    choice = planner.recommend(profile, rate, host_spill=args.host_spill, bytes_per_token=bpt)
+    choice = planner.recommend(
+        profile,
+        rate,
+        host_spill=args.host_spill,
+        bytes_per_token=bpt,
+        capacity_headroom=args.capacity_headroom,
+        pad_multiple=args.pad_multiple,
+    )
     print(
         f"profile: {steps} steps, {len(profile.tokens[0])} layers, "
         f"{profile.num_experts} experts on {profile.ep_size} ranks, top-{profile.top_k}, "
         f"{profile.tokens_per_rank} tokens per rank"
     )
     print(f"target rerun rate {rate:.2%}:")
+    print("  te_paged's dispatcher (a budget per (source, destination) rank pair):")
     print(
-        f"  moe_expert_rank_capacity_factor        = {choice.capacity_factor:.2f}"
-        f"  (profiled over-budget steps: {choice.rerun_rate_capacity:.2%})"
+        f"    moe_a2a_capacity_factor                = {choice.capacity_factor:.2f}"
+        f"  (the wire's start; profiled over-budget steps: {choice.rerun_rate_capacity:.2%})"
+    )
+    print(
+        f"    moe_expert_rank_capacity_factor        = {choice.expert_capacity_factor:.2f}"
+        f"  (the expert buffer: the largest profiled need x capacity_headroom "
+        f"{args.capacity_headroom:g}, room for the runner to raise the wire after a step over it)"
+    )
+    pad = f", each expert's rows padded to {args.pad_multiple}" if args.pad_multiple > 1 else ""
+    print(f"  HybridEP (a budget per receiving rank{pad}):")
+    print(
+        f"    moe_expert_rank_capacity_factor        = {choice.receive_capacity_factor:.2f}"
+        f"  (Megatron's flex dispatcher; profiled over-budget steps: "
+        f"{choice.rerun_rate_receive:.2%})"
+    )
+    print(
+        f"    non_blocking_capacity_factor           = {choice.non_blocking_capacity_factor:.2f}"
+        f"  (torchtitan's: the same rows over the worst case, "
+        f"{profile.worst_case_received} rows)"
+    )
+    print(
+        "  (the runner raises each budget x capacity_headroom after a step over it; these are "
+        "where to start)"
     )
     print(
         f"  moe_paged_stash_buffer_size_factor_cuda = {choice.buffer_size_factor_cuda:.2f}"
@@ -261,19 +292,20 @@ def run_plan_command(args: argparse.Namespace) -> int:
     )
     if profile.pairwise:
         print(
-            "  (capacity factor from the counts by source rank: exact for te_paged's budget per "
+            "  (te_paged's factors from the counts by source rank: exact for its budget per "
             "(source, destination) rank pair)"
         )
     else:
         print(
             "  (per-rank totals only: te_paged's dispatcher budgets each (source, destination) "
-            "rank pair, which a one-sided skew fills sooner, so the capacity factor is a lower "
-            "bound; record tokens_by_source, e.g. PagedStashRunner(record_routing=True), for "
-            "an exact one)"
+            "rank pair, which a one-sided skew fills sooner, so its factors are lower bounds "
+            "(HybridEP's are exact); record tokens_by_source, e.g. "
+            "PagedStashRunner(record_routing=True), for exact ones)"
         )
     if choice.static_bytes is not None:
         print(
-            f"  memory per rank: static buffers' saved activations {_gib(choice.static_bytes)}"
+            f"  memory per rank: te_paged's static expert buffers' saved activations "
+            f"{_gib(choice.static_bytes)}"
             f", CUDA pool {_gib(choice.pool_bytes)}, host pool "
             f"{_gib(choice.host_pool_bytes)}"
         )

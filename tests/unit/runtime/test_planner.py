@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from fractions import Fraction
 
 import pytest
@@ -116,7 +117,85 @@ def test_memory_of_each_choice() -> None:
     steps = [[[8, 8, 8, 8]] * 3]
     choice = recommend(profile(steps), 0.0, bytes_per_token=100)
     s = 16 * 100 * 3
-    assert (choice.static_bytes, choice.pool_bytes, choice.host_pool_bytes) == (s, s, 0)
+    # te_paged's expert buffer keeps the runner's headroom over the largest need (1.0 x 1.1)
+    assert choice.expert_capacity_factor == 1.1
+    assert (choice.static_bytes, choice.pool_bytes, choice.host_pool_bytes) == (
+        math.ceil(1.1 * s), s, 0,
+    )  # fmt: skip
+
+
+def test_wire_start_and_expert_buffer() -> None:
+    # 95 balanced steps, 5 that need 1.75 per pair (totals: a lower bound, the same here)
+    steps = [[[8, 8, 8, 8]]] * 95 + [[[20, 8, 2, 2]]] * 5
+    choice = recommend(profile(steps), target_rerun_rate=0.05)
+    # the wire starts where 95 % of steps fit; the expert buffer leaves the runner room to
+    # raise it to the tail's 1.75 x 1.10 after the first step over it
+    assert choice.capacity_factor == 1.0 and choice.expert_capacity_factor == 1.93
+    roomy = recommend(profile(steps), target_rerun_rate=0.05, capacity_headroom=1.25)
+    assert roomy.expert_capacity_factor == 2.19
+    with pytest.raises(ValueError, match="capacity_headroom"):
+        recommend(profile(steps), capacity_headroom=0.9)
+
+
+def test_receive_budget_is_exact_from_the_totals() -> None:
+    # The module docstring's example: per pair 2.0, but each rank receives N·k = 8 rows, which
+    # is all a HybridEP receive budget sees: 1.0, whether or not the profile has the sources.
+    kw = {"num_experts": 2, "ep_size": 2, "top_k": 2, "tokens_per_rank": 4}
+    exact = RoutingProfile(tokens_by_source=[[[[8, 0], [0, 8]]]], **kw)
+    summed = RoutingProfile(tokens=[[[8, 8]]], **kw)
+    for p in (exact, summed):
+        assert p.receive_needs() == [1.0] and recommend(p, 0.0).receive_capacity_factor == 1.0
+    assert recommend(exact, 0.0).capacity_factor == 2.0
+    # torchtitan states it over the worst case, N·P·min(L, k) = 4·2·1 = 8 rows: 1.0 here
+    assert exact.worst_case_received == 8
+    assert recommend(exact, 0.0).non_blocking_capacity_factor == 1.0
+
+
+def test_receive_budget_counts_hybrideps_padding_and_its_quantile() -> None:
+    # 8 experts on 2 ranks (4 local), 16 tokens x top-2: balanced 32 rows per rank.
+    kw = {"num_experts": 8, "ep_size": 2, "top_k": 2, "tokens_per_rank": 16}
+    steps = [[[9, 9, 7, 7, 8, 8, 8, 8]]] * 9 + [[[20, 10, 5, 5, 8, 8, 8, 0]]]
+    p = RoutingProfile(tokens=steps, **kw)
+    assert p.peak_received() == [32] * 9 + [40]
+    # padded to 8 rows per expert: 16 + 16 + 8 + 8 = 48 in the balanced-ish steps; 24 + 16 +
+    # 8 + 8 = 56 in the skewed one
+    assert p.peak_received(pad_multiple=8) == [48] * 9 + [56]
+    strict = recommend(p, 0.0)
+    assert strict.receive_capacity_factor == 1.25 and strict.rerun_rate_receive == 0.0
+    lax = recommend(p, 0.1)
+    assert lax.receive_capacity_factor == 1.0 and lax.rerun_rate_receive == pytest.approx(0.1)
+    assert recommend(p, 0.0, pad_multiple=8).receive_capacity_factor == 1.75
+    # worst case 16·2·min(4, 2) = 64 rows: 40 of them is 0.625 -> 0.63
+    assert strict.non_blocking_capacity_factor == 0.63
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ep=st.sampled_from([1, 2, 4]),
+    per_rank=st.integers(1, 3),
+    tokens=st.integers(1, 40),
+    topk=st.integers(1, 2),
+    align=st.sampled_from([0, 16]),
+    seed=st.randoms(use_true_random=False),
+)
+def test_receive_factors_fit_the_frameworks_rules(ep, per_rank, tokens, topk, align, seed):
+    # The receive factor plan recommends (target 0) must hold the peak in Megatron HybridEP's
+    # budget rule and torchtitan's non-blocking one, as te_paged computes them at run time.
+    from te_paged.integrations.megatron.dispatcher import hybrid_ep_rank_budget
+
+    experts = ep * per_rank
+    assume(topk <= experts)
+    counts = [0] * experts
+    for _ in range(tokens * ep):  # every token of every rank picks top-k distinct experts
+        for e in seed.sample(range(experts), topk):
+            counts[e] += 1
+    p = RoutingProfile(experts, ep, topk, tokens, tokens=[[counts]])
+    peak = p.peak_received()[0]
+    choice = recommend(p, 0.0)
+    assert hybrid_ep_rank_budget(topk, align, 1)(tokens, choice.receive_capacity_factor) >= peak
+    assert int(tokens * ep * min(per_rank, topk) * choice.non_blocking_capacity_factor) >= peak
+    if choice.receive_capacity_factor > 1.0:  # minimal
+        assert int(tokens * topk * round(choice.receive_capacity_factor - 0.01, 2)) < peak
 
 
 def test_profile_files_round_trip(tmp_path) -> None:
