@@ -27,8 +27,8 @@ the pairs (0→0) and (1→1) carry 8 rows against ``C = cf·8/2``: the budget n
 
 A factor that covers the ``1 − target_rerun_rate`` quantile of the per-step needs reruns at
 most that fraction of steps. Memory per choice: te_paged's static expert buffers cost
-``expert_capacity_factor × S`` and the pool ``buffer_factor × S``, with ``S`` the balanced-case bytes
-of the stashed activations (``N·k × bytes_per_token × L``).
+``expert_capacity_factor × S`` and the pool ``buffer_factor × S``, with ``S`` the balanced-case
+bytes of the stashed activations (``N·k × bytes_per_token × L``).
 
 Under pipeline parallelism (:func:`pipeline_pool_plan`) a stage holds the saved activations of
 several microbatches at its peak (:mod:`te_paged.runtime.schedules`): its pool is sized as the
