@@ -26,8 +26,9 @@ runners need and changes nothing it sends:
 
 Everything else (``dispatch_preprocess`` … ``combine_postprocess``, the shared-expert hooks,
 the CUDA-graph attributes) is Megatron's. NCCL EP (``"ncclep"``) and DeepEP (``"deepep"``)
-are not kept: their contracts were not read here, so those configs get te_paged's own
-dispatcher (docs/megatron.md, "Megatron's flex dispatcher").
+are not kept; those configs get te_paged's own dispatcher. NCCL EP, as megatron-core 0.19.2
+bootstraps it, traps on a receive overrun instead of flagging it (``fused_a2a.py:639``), so no
+budget below the worst case can be rerun (docs/megatron.md, "Megatron's flex dispatcher").
 
 Importing this module does not import Megatron.
 """
