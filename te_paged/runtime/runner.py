@@ -855,14 +855,10 @@ class PagedStashRunner:
             why = "warm-up"
         needed = wire.fitting_capacity_factor(n, peak)
         limit = self.max_capacity_factor
-        if limit is not None and needed > limit:
-            raise CapacityLimitError(
-                f"step {record.step}: a rank sent up to {peak} rows to one rank, which needs "
-                f"a2a_capacity_factor >= {needed}, more than max_capacity_factor={limit} allows "
-                f"({n} tokens per rank, top-{wire.config.moe_router_topk}, {wire.ep_size} "
-                "ranks): raise max_capacity_factor, or balance the routing (the router's aux "
-                "loss)"
-            )
+        self._check_capacity_limit(
+            record, f"a rank sent up to {peak} rows to one rank", "a2a_capacity_factor", needed,
+            f"{n} tokens per rank, top-{wire.config.moe_router_topk}, {wire.ep_size} ranks",
+        )  # fmt: skip
         want = wire.fitting_capacity_factor(n, math.ceil(peak * self.capacity_headroom))
         ceiling = min(d.capacity_factor for d in self.dispatchers if d.capacity_factor)
         if limit is not None:
@@ -894,6 +890,19 @@ class PagedStashRunner:
             + (", capped at the expert buffer's factor" if want == ceiling else "")
             + "); the next dispatch uses it",
         )
+
+    def _check_capacity_limit(
+        self, record: StepRecord, what: str, factor: str, needed: float, sizes: str
+    ) -> None:
+        """:class:`CapacityLimitError` when the step ``needed`` more of ``factor`` than
+        ``max_capacity_factor`` allows (every rank decides from the same reduced figures)."""
+        limit = self.max_capacity_factor
+        if limit is not None and needed > limit:
+            raise CapacityLimitError(
+                f"step {record.step}: {what}, which needs {factor} >= {needed}, more than "
+                f"max_capacity_factor={limit} allows ({sizes}): raise max_capacity_factor, or "
+                "balance the routing (the router's aux loss)"
+            )
 
     def _receive_budgets(self) -> list[StaticBudgetDispatcher]:
         """The dispatchers whose budget is a receive buffer (``receive_budget``: HybridEP's)."""
@@ -932,13 +941,10 @@ class PagedStashRunner:
         if why == "over budget":
             record.suggested_capacity_factor = needed
         limit = self.max_capacity_factor
-        if limit is not None and needed > limit:
-            raise CapacityLimitError(
-                f"step {record.step}: a rank was sent up to {peak} rows, which needs "
-                f"{d.factor_name} >= {needed}, more than max_capacity_factor="
-                f"{limit} allows ({n} tokens per rank, top-{d.config.moe_router_topk}): raise "
-                "max_capacity_factor, or balance the routing (the router's aux loss)"
-            )
+        self._check_capacity_limit(
+            record, f"a rank was sent up to {peak} rows", d.factor_name, needed,
+            f"{n} tokens per rank, top-{d.config.moe_router_topk}",
+        )  # fmt: skip
         want = d.fitting_capacity_factor(n, math.ceil(peak * self.capacity_headroom))
         if limit is not None:
             want = min(want, limit)
