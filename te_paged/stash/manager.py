@@ -513,11 +513,11 @@ class PagedStashManager:
         page, and the pool is mostly padding (e.g. page_size=2**20 for 16-row buffers)."""
         largest = max((p.max_rows for p in self._peaks.values()), default=0)
         if 0 < largest < self.page_size:
+            used = 100 * largest / self.page_size
             warnings.warn(
                 f"page_size={self.page_size} rows, but no saved tensor has more than {largest} "
-                f"rows: every tensor takes a page at least {self.page_size // largest}x its "
-                "size, so the pool is mostly empty; choose a page_size well below the expert "
-                "buffers' rows (the usual is 64)",
+                f"rows: each takes a whole page and fills at most {used:.2g}% of it; choose a "
+                "page_size well below the expert buffers' rows (the usual is 64)",
                 stacklevel=3,
             )
 
