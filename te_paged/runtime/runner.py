@@ -64,28 +64,36 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import datetime
 import functools
-import json
 import logging
-import math
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from te_paged.config.checks import require_bool, require_int, require_real
-from te_paged.kernels.layout import Flag, State
 from te_paged.moe import MoELayer, StaticBudgetDispatcher
 from te_paged.moe.participant import PagedStashParticipant, Participants, find_participants
+from te_paged.runtime.budget_sizing import BudgetSizing
 from te_paged.runtime.memory import measure_peak
 from te_paged.runtime.planner import RoutingProfile
-from te_paged.runtime.step_state import ModuleState, ModuleStateSnapshot
-from te_paged.stash import PagedStashManager, StashKey, StashMode
-from te_paged.stash.buffer import MAX_KEYS, key_code, key_from_code
+from te_paged.runtime.pool_sizing import PoolSizing
+from te_paged.runtime.records import (
+    CapacityLimitError,
+    FallbackLimitError,
+    InvalidCountsError,
+    PoolLimitError,
+    StepDesyncError,
+    StepRecord,
+    StepState,
+)
+from te_paged.runtime.reduction import StepReduction, _RankStats
+from te_paged.runtime.reporting import Reporting
+from te_paged.runtime.step_state import ModuleState
+from te_paged.stash import PagedStashManager, StashMode
 from te_paged.telemetry import nvtx_range
 
 __all__ = [
@@ -99,139 +107,11 @@ __all__ = [
     "StepState",
 ]
 
-_MARGIN = 1.05  # headroom on suggested factors, so a repeat of the same peak fits
-_FLAGS = 3  # per rank: stash overflow, over budget, host spill
-_HEAD = 8  # per rank: step, stage, invalid, the _FLAGS flags, peak tokens, peak pair tokens
-_MAX_KEYS = MAX_KEYS  # pool keys (dtype, row width) a rank may hold: the reduction's fixed room
-_PER_KEY = 5  # per pool key: code, pages, high-water pages, demanded pages, balanced pages
-_GROWTH_WHY = {
-    "capture": "the capture step held more than the pools' factor gives",
-    "overflow": "the stash overflowed",
-    "headroom": "a rank's step left less than the headroom free",
-}
-_RECEIVE_WHY = {
-    "capture": "the capture step's peak x capacity_headroom did not fit the receive budget",
-    "over budget": "a rank went over its receive budget",
-    "headroom": "a rank's peak left less than capacity_headroom free",
-}
-_SLOT = _HEAD + _PER_KEY * _MAX_KEYS  # one rank's entries in the per-step reduction
-_CAPACITY_WHY = {
-    "capture": "the capture step's largest pair demand x capacity_headroom did not fit the wire",
-    "over budget": "a rank went over the wire budget",
-    "headroom": "a rank's largest pair demand left less than capacity_headroom free",
-    "warm-up": "the auto wire is sized from its first steps' largest pair demand",
-}
-
 
 logger = logging.getLogger(__name__)
 
 
-class FallbackLimitError(RuntimeError):
-    """Too many consecutive fallbacks: the static budgets are too small for this routing."""
-
-
-class PoolLimitError(RuntimeError):
-    """A stash overflow needs a pool larger than the runner's ``max_pool_bytes`` allows."""
-
-
-class CapacityLimitError(RuntimeError):
-    """A step needed a wire budget larger than the runner's ``max_capacity_factor`` allows."""
-
-
-@dataclasses.dataclass
-class StepRecord:
-    """What happened in one step (also one JSON line via :meth:`to_json`)."""
-
-    step: int
-    attempt: int  # 1, or 2 when the step was rerun
-    enabled: bool  # paged stash active in the attempt whose result was kept
-    stash_overflow_ranks: int  # ranks whose stash overflowed in attempt 1
-    overbudget_ranks: int  # ranks that dropped assignments over their token budget in attempt 1
-    host_spill_ranks: int  # ranks that spilled a tensor to the host tier (no rerun needed)
-    will_retry: bool  # attempt 1 was invalid and the step was rerun
-    pool_high_water_pages: dict[str, int]  # max over ranks, per pool key
-    pool_pages: dict[str, int]
-    peak_tokens: int  # max over ranks and layers of tokens routed to a rank (before dropping)
-    budget_tokens: int  # the static per-rank budget (max_num_tokens)
-    balanced_tokens: int  # tokens per rank under perfect balance (tokens × top-k)
-    suggested_capacity_factor: float | None = None
-    suggested_buffer_size_factor_cuda: float | None = None
-    fallback_peak_bytes: int | None = None  # memory the dropless rerun needed
-    fallback_memory_method: str | None = None
-    # Pipeline parallelism: per stage (its index, as a string), the max over its ranks of the
-    # pool high-water pages per key; empty with one stage.
-    stage_pool_high_water_pages: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
-    # This rank's module buffers the failed attempt changed for the first time, so not copied
-    # before it: the rerun started from their changed values (empty: everything was restored).
-    unrestored_state: list[str] = dataclasses.field(default_factory=list)
-    # Per pool key, max over ranks of the pages the step needed at its peak, stored or not
-    # (State.DEMAND_HWM): what a pool would have to hold for the step not to overflow.
-    pool_demand_pages: dict[str, int] = dataclasses.field(default_factory=dict)
-    # This rank's pools that grew after this step (grow_pool): key -> {"from": pages, "to":
-    # pages, "needed": pages, "why": "capture" | "overflow" | "headroom"}; the next step
-    # allocates them (see PagedStashRunner).
-    pool_growth: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
-    # The dispatchers' wire budget in this step: a2a_capacity_factor and the pair capacity C
-    # (rows one rank sends another); the largest pair demand over ranks and layers.
-    a2a_capacity_factor: float | None = None
-    pair_capacity: int = 0
-    peak_pair_tokens: int = 0
-    # The budget changed after this step (grow_capacity): {"factor": "a2a_capacity_factor"
-    # (te_paged's wire) | "moe_expert_rank_capacity_factor" (a receive budget: Megatron's
-    # HybridEP), "from": factor, "to": factor, "needed": the factor that just held the step,
-    # "why": "capture" | "over budget" | "headroom" | "warm-up" (the auto wire's one sizing,
-    # which may lower it)}; the next dispatch uses it. Empty: unchanged.
-    capacity_growth: dict[str, Any] = dataclasses.field(default_factory=dict)
-    # Bytes this rank handed the all-to-alls in the step, every attempt (docs/run-record.md).
-    bytes_sent: int = 0
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
-
-
-class StepDesyncError(RuntimeError):
-    """The ranks reduced flags of different steps: one of them skipped or repeated a step."""
-
-
-class InvalidCountsError(RuntimeError):
-    """A rank's layers saw token counts or expert ids that cannot be right (not an overflow: a
-    rerun would see them again)."""
-
-
-class _PoolFigures(NamedTuple):
-    """One pool key's figures of one rank's step, from the per-step reduction."""
-
-    pages: int  # the pool's device pages
-    high_water: int  # pages in use at the peak (State.HWM)
-    demand: int  # pages needed at the peak, stored or not (State.DEMAND_HWM)
-    balanced: int  # the capture step's balanced-case peak pages
-
-
-class _RankStats(NamedTuple):
-    stage: int
-    peak_tokens: int
-    peak_pair_tokens: int
-    pools: dict[StashKey, _PoolFigures]
-
-    def demand(self) -> dict[StashKey, int]:
-        """The pages each pool key's step needed at its peak."""
-        return {k: f.demand for k, f in self.pools.items()}
-
-
-@dataclasses.dataclass
-class StepState:
-    """What a step consumes or changes that a rerun must give back: every random generator it
-    draws from (torch's CPU generator, each CUDA device's), the model's buffers, FP8 metas and
-    :class:`~te_paged.runtime.step_state.Restorable` s (``modules``), and whatever a subclass
-    adds in ``extra``."""
-
-    cpu_rng: torch.Tensor
-    cuda_rng: list[torch.Tensor] | None
-    modules: ModuleStateSnapshot | None = None
-    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-
-class PagedStashRunner:
+class PagedStashRunner(StepReduction, PoolSizing, BudgetSizing, Reporting):
     """Wraps one training step's forward-backward; see the module docstring.
 
     ``PagedStashRunner(model, manager=None, *, group=None, max_consecutive_fallbacks=3,
@@ -395,133 +275,6 @@ class PagedStashRunner:
             return self.dispatchers[0].over_budget.device
         return self.participants.invalid_flags[0].device
 
-    # ---------------------------------------------------------------------------- collective
-
-    def _world(self) -> tuple[int, int]:
-        if not (dist.is_available() and dist.is_initialized()):
-            return 0, 1
-        return dist.get_rank(self.group), dist.get_world_size(self.group)
-
-    def _local_stats(self, device: torch.device) -> torch.Tensor:
-        """This rank's slot, a device vector of :data:`_SLOT` entries whatever pools the rank
-        holds: [step, stage, invalid, overflow, overbudget, spill, peak_tokens, peak_pair],
-        then :data:`_MAX_KEYS` pairs (key code, high-water pages), zero-padded. Ranks whose
-        pipeline stages hold different pool keys (an FP8 layer on one stage only, say) reduce
-        vectors of one length; the key codes say which pool each high-water mark is of."""
-        zero = torch.zeros((), dtype=torch.int64, device=device)
-        overflow = spill = invalid = zero
-        hwm: dict[StashKey, torch.Tensor] = {}  # (HWM, DEMAND_HWM) per key, on the device
-        const: dict[StashKey, tuple[int, int]] = {}  # (pages, balanced pages): host constants
-        keys = list(dict.fromkeys(k for m in self.managers for k in m.buffers))
-        if len(keys) > _MAX_KEYS:
-            raise ValueError(
-                f"this rank holds {len(keys)} paged-stash pools ({', '.join(map(str, keys))}); "
-                f"the runner's per-step reduction has room for {_MAX_KEYS} (one pool per "
-                "dtype and row width)"
-            )
-        for manager in self.managers:
-            manager.join_side_streams()  # the flags and pool states are the side streams' too
-            overflow = overflow + (manager.flags[Flag.OVERFLOW] > 0).long()
-            spill = spill + (manager.flags[Flag.HOST_SPILL] > 0).long()
-            invalid = invalid + (manager.flags[Flag.INVALID] > 0).long()
-            for key, buf in manager.buffers.items():
-                # Basic indexing: a list index would copy the index to the device first.
-                h = torch.stack([buf.state[State.HWM], buf.state[State.DEMAND_HWM]]).to(device)
-                hwm[key] = torch.maximum(hwm[key], h) if key in hwm else h
-                figures = (buf.num_pages, manager.capture_peaks(key)[0])
-                const[key] = max(const.get(key, (0, 0)), figures)
-        over = peak = peak_pair = zero
-        for d in self.dispatchers:
-            over = over + (d.over_budget > 0).long().to(device)
-            invalid = invalid + (d.invalid_indices > 0).long().to(device)
-            peak = torch.maximum(peak, d.peak_tokens.to(device).long())
-            peak_pair = torch.maximum(peak_pair, d.peak_pair_tokens.to(device).long())
-        for flag in self.participants.invalid_flags:
-            invalid = invalid + (flag > 0).long().to(device)
-        flags = [(overflow > 0).long(), (over > 0).long(), (spill > 0).long()]
-        step = torch.tensor([self.step_index, self.stage], dtype=torch.int64, device=device)
-        mine = [step, (invalid > 0).long().reshape(1), *(f.reshape(1) for f in flags)]
-        mine += [peak.reshape(1), peak_pair.reshape(1)]
-        if hwm:  # (code, pages, hwm, demand, balanced): one host-to-device copy, no read
-            host = [(key_code(k), *const[k]) for k in hwm]
-            host = torch.tensor(host, dtype=torch.int64, device=device)
-            per_key = torch.cat([host[:, :2], torch.stack(list(hwm.values())), host[:, 2:]], 1)
-            mine.append(per_key.reshape(-1))
-        out = torch.cat(mine)
-        return torch.cat([out, out.new_zeros(_SLOT - out.numel())])
-
-    def _reduce(self) -> tuple[list[list[int]], list[_RankStats]]:
-        """One ``all_reduce(SUM)`` over one slot per rank (zero elsewhere, so the sum is a
-        gather) with its step index, pipeline stage, flags and statistics. Returns, per flag
-        [overflow, overbudget, spill], the ranks that raised it; and each rank's statistics
-        ``(stage, peak, pair, {pool key: high-water pages})``."""
-        device = self._device()
-        local = self._local_stats(device)
-        rank, world = self._world()
-        stats_len = local.numel()
-        vec = torch.zeros(world * stats_len, dtype=torch.int64, device=device)
-        vec[rank * stats_len : (rank + 1) * stats_len] = local
-        if world > 1:
-            if device.type == "cpu" and dist.get_backend(self.group) == "nccl":
-                raise RuntimeError("the NCCL group needs the manager on a CUDA device")
-            work = dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-            try:
-                work.wait(self.timeout) if self.timeout is not None else work.wait()
-            except RuntimeError as e:
-                raise StepDesyncError(
-                    f"rank {rank}: the flags of step {self.step_index} were not reduced within "
-                    f"{self.timeout}: a rank stopped, died or skipped the step ({e})"
-                ) from e
-        values = vec.tolist()  # the step's one device -> host read
-        per_rank = [values[r * stats_len : (r + 1) * stats_len] for r in range(world)]
-        self._check_step_indices([r[0] for r in per_rank], rank)
-        invalid = [r for r, row in enumerate(per_rank) if row[2]]
-        if invalid:
-            here = self._invalid_here() if rank in invalid else ""
-            raise InvalidCountsError(
-                f"rank {rank}: rank(s) {invalid} saw token counts that cannot be right "
-                "(tokens_per_expert negative or summing past the expert buffer, an expert id "
-                "out of range, or a stash record popped twice): the step's result is wrong and "
-                f"a rerun would repeat it{here}. Check what the dispatcher hands the experts"
-            )
-        flag_ranks = [[r for r, row in enumerate(per_rank) if row[3 + f]] for f in range(_FLAGS)]
-        stats = []
-        for row in per_rank:
-            keys = [row[i : i + _PER_KEY] for i in range(_HEAD, _SLOT, _PER_KEY)]
-            pools = {key_from_code(k[0]): _PoolFigures(*k[1:]) for k in keys if k[0]}
-            stats.append(_RankStats(row[1], row[3 + _FLAGS], row[4 + _FLAGS], pools))
-        return flag_ranks, stats
-
-    def _invalid_here(self) -> str:
-        """What this rank saw, for the error (host reads: the error path only)."""
-        seen = []
-        for manager in self.managers:
-            for layer, n, max_tokens in manager.invalid_counts():
-                where = "a layer" if layer is None else f"layer {layer}"
-                seen.append(f"{where}: num_tokens {n} for a buffer of {max_tokens} tokens")
-        for d in self.dispatchers:
-            if int(d.invalid_indices) > 0:
-                seen.append(f"{int(d.invalid_indices)} expert id(s) out of range")
-        reported = sum(int(flag) for flag in self.participants.invalid_flags)
-        if reported:
-            seen.append(f"{reported} invalid count(s) reported by the layers' grouped GEMMs")
-        if any(int(m.flags[Flag.INVALID]) > 0 for m in self.managers) and not seen:
-            seen.append("a stash record popped twice")
-        return f"; on this rank: {'; '.join(seen)}" if seen else ""
-
-    def _check_step_indices(self, steps: list[int], rank: int) -> None:
-        if len(set(steps)) <= 1:
-            return
-        by_step: dict[int, list[int]] = {}
-        for r, s in enumerate(steps):
-            by_step.setdefault(s, []).append(r)
-        where = "; ".join(f"rank(s) {ranks} at step {s}" for s, ranks in sorted(by_step.items()))
-        raise StepDesyncError(
-            f"rank {rank}: the ranks reduced the flags of different steps ({where}): a rank "
-            "skipped or repeated a step, so its collectives were paired with another step's. "
-            "Every rank must call the runner once per step."
-        )
-
     # ------------------------------------------------------------------------ state and grads
 
     def snapshot_state(self) -> StepState:
@@ -670,11 +423,6 @@ class PagedStashRunner:
             peak_pair_tokens=max((r.peak_pair_tokens for r in per_rank), default=0),
         )
 
-    def _grow_after_capture(self, record: StepRecord) -> None:
-        """The capture step's observed peak is a need too: no pool starts below it."""
-        needs = {k: m.capture_peaks(k)[1] for m in self.managers for k in m.keys}
-        self._grow(record, needs, "capture")
-
     def _before_fallback(
         self,
         record: StepRecord,
@@ -721,322 +469,11 @@ class PagedStashRunner:
         others at DEBUG (one line per event, not one per rank)."""
         logger.log(level if self._world()[0] == 0 else logging.DEBUG, message)
 
-    def _fallback_message(self, record: StepRecord, flag_ranks: list[list[int]], world: int) -> str:
-        overflow, over, spill = flag_ranks
-        why = []
-        if overflow:
-            why.append(f"stash overflow on rank(s) {overflow}")
-        wire_over = record.pair_capacity and record.peak_pair_tokens > record.pair_capacity
-        if over and wire_over:
-            why.append(
-                f"over the wire budget on rank(s) {over} (largest pair demand "
-                f"{record.peak_pair_tokens} rows, pair capacity {record.pair_capacity} at "
-                f"a2a_capacity_factor {record.a2a_capacity_factor:g})"
-            )
-        elif over and self._receive_budgets():
-            why.append(
-                f"over the receive budget on rank(s) {over} (budget {record.budget_tokens} rows "
-                "a rank; the rerun measures what the step needed"
-                + (", and the budget grows to it)" if self.grow_capacity else ")")
-            )
-        elif over:
-            why.append(
-                f"over the token budget on rank(s) {over} (peak {record.peak_tokens} tokens "
-                f"routed to a rank, budget {record.budget_tokens})"
-            )
-        if spill:
-            why.append(f"host spill on rank(s) {spill}")
-        expert_fit = record.suggested_capacity_factor
-        held = [getattr(d, "capacity_factor", None) for d in self.dispatchers]
-        held = [f for f in held if f is not None]
-        if expert_fit is not None and held and expert_fit <= min(held):
-            expert_fit = None  # the expert buffer held it: the wire was the limit
-        suggested = {
-            self._factor_name(): expert_fit,
-            "moe_paged_stash_buffer_size_factor_cuda": record.suggested_buffer_size_factor_cuda,
-        }
-        fits = [f"{name} >= {value}" for name, value in suggested.items() if value is not None]
-        if record.capacity_growth:
-            growth = record.capacity_growth
-            fits.append(f"{growth['factor']} {growth['to']:g}, which it now has")
-        growing = self.grow_pool and bool(overflow)
-        return (
-            f"PagedStashRunner: step {record.step} reruns dropless without the paged stash "
-            f"({world} rank(s): {'; '.join(why)}); its result equals a run without the stash. "
-            f"Fallback {self.consecutive_fallbacks} of {self.max_consecutive_fallbacks} allowed "
-            "in a row before FallbackLimitError; would have fitted: "
-            + (", ".join(fits) or "unknown (no dispatcher reports token counts)")
-            + ("; the pools grow to what this step needed (grow_pool)" if growing else "")
-        )
-
-    def _spill_message(self, record: StepRecord, ranks: list[int], world: int) -> str:
-        fit = self._fitting_pool_factor(record)
-        keep = (
-            f"; moe_paged_stash_buffer_size_factor_cuda >= {fit} would keep them on the device"
-            if fit is not None
-            else ""
-        )
-        return (
-            f"PagedStashRunner: step {record.step}: rank(s) {ranks} of {world} stashed tensors in "
-            "the host tier (the device pool was full; no rerun needed, but each spilled tensor "
-            f"is copied to the host and back){keep}"
-        )
-
-    def _fitting_pool_factor(
-        self, record: StepRecord, per_rank: list[_RankStats] | None = None
-    ) -> float | None:
-        # The pool holds factor x (balanced peak pages). The step's demanded peak over its
-        # balanced peak, max over ranks and keys, is the factor that would have fitted it.
-        ratios = [
-            figures.demand / figures.balanced
-            for r in per_rank or []
-            for figures in r.pools.values()
-            if figures.balanced and figures.demand
-        ]
-        if not ratios:  # no pool this step (the host tier spilled?): bound it by the tokens
-            if not self.managers or not record.balanced_tokens or not record.peak_tokens:
-                return None
-            ratios = [record.peak_tokens / record.balanced_tokens]
-        return math.ceil(100 * max(ratios) * _MARGIN) / 100
-
     def _stash_enabled(self) -> bool:
         return bool(self.managers) and all(m.enabled for m in self.managers)
 
     def _pool_pages(self) -> dict[str, int]:
         return {str(k): b.num_pages for m in self.managers for k, b in m.buffers.items()}
-
-    def _suggest(
-        self, record: StepRecord, peak_pair_tokens: int, per_rank: list[_RankStats]
-    ) -> None:
-        # te_paged's budget is per (source, destination) pair: size from that peak. A receive
-        # budget (HybridEP's) reports what it kept, so only its rerun can tell what it needed.
-        d = self.dispatchers[0] if self.dispatchers else None
-        if record.overbudget_ranks and d is not None and not getattr(d, "receive_budget", False):
-            fit = d.fitting_capacity_factor(
-                d.last_num_tokens, math.ceil(peak_pair_tokens * _MARGIN), expert_buffer=True
-            )
-            record.suggested_capacity_factor = fit
-        if record.stash_overflow_ranks:
-            record.suggested_buffer_size_factor_cuda = self._fitting_pool_factor(record, per_rank)
-
-    def _factor_name(self) -> str:
-        """The name users set the dispatchers' budget factor by (a framework's own, e.g.
-        torchtitan HybridEP's ``non_blocking_capacity_factor``)."""
-        d = self.dispatchers[0] if self.dispatchers else None
-        return getattr(d, "factor_name", "moe_expert_rank_capacity_factor")
-
-    def _wire(self) -> StaticBudgetDispatcher | None:
-        """The first dispatcher with a wire budget (the group's ranks send blocks), if any."""
-        return next(
-            (d for d in self.dispatchers if d.a2a_capacity_factor is not None and d.ep_size > 1),
-            None,
-        )
-
-    def _size_capacity(self, record: StepRecord, why: str) -> None:
-        """Raise every dispatcher's wire to the factor that holds the step's largest pair demand
-        (``record.peak_pair_tokens``, reduced over the ranks: all decide alike, no collective)
-        x ``capacity_headroom``, if that is above the wire's factor; bounded by the expert
-        buffer's factor and ``max_capacity_factor``. An auto wire (:attr:`wire_auto
-        <te_paged.moe.StaticBudgetDispatcher.wire_auto>`) only watches until its
-        ``auto_wire_steps``-th call, then takes the factor of the largest demand it saw, lower
-        too. Records and logs a change."""
-        if self.grow_capacity and why != "over budget":  # that one: after the rerun measured it
-            self._size_receive_budgets(record, why)
-        wire = self._wire()
-        if not self.grow_capacity or wire is None or not wire.last_num_tokens:
-            return
-        n, peak = wire.last_num_tokens, record.peak_pair_tokens
-        first = wire.wire_auto
-        if first:  # at the expert factor, which holds whatever the expert buffer holds
-            self._auto_wire_seen += 1
-            peak = self._auto_wire_peak = max(self._auto_wire_peak, peak)
-            if self._auto_wire_seen < self.auto_wire_steps:
-                return
-            why = "warm-up"
-        needed = wire.fitting_capacity_factor(n, peak)
-        limit = self.max_capacity_factor
-        self._check_capacity_limit(
-            record, f"a rank sent up to {peak} rows to one rank", "a2a_capacity_factor", needed,
-            f"{n} tokens per rank, top-{wire.config.moe_router_topk}, {wire.ep_size} ranks",
-        )  # fmt: skip
-        want = wire.fitting_capacity_factor(n, math.ceil(peak * self.capacity_headroom))
-        ceiling = min(d.capacity_factor for d in self.dispatchers if d.capacity_factor)
-        if limit is not None:
-            ceiling = min(ceiling, limit)
-        want = min(want, ceiling)
-        old = wire.a2a_capacity_factor
-        holds = want < old or wire.fitting_capacity_factor(n, wire.pair_capacity) >= want
-        if want == old or (holds and not first):  # (its rounding may give more than its factor)
-            for d in self.dispatchers:
-                d.wire_auto = False
-            return
-        for d in self.dispatchers:
-            if d.a2a_capacity_factor is not None:
-                d.set_a2a_capacity_factor(min(want, d.capacity_factor))
-        record.capacity_growth = {
-            "factor": "a2a_capacity_factor",
-            "from": old,
-            "to": want,
-            "needed": needed,
-            "why": why,
-        }
-        self._log(
-            logging.INFO,
-            f"PagedStashRunner: step {record.step}: {_CAPACITY_WHY[why]} (largest pair demand "
-            f"{peak} rows, pair capacity {record.pair_capacity}), so a2a_capacity_factor "
-            f"{'falls' if want < old else 'rises'} "
-            f"{old:g} -> {want:g} (needed {needed:g} x capacity_headroom "
-            f"{self.capacity_headroom:g}"
-            + (", capped at the expert buffer's factor" if want == ceiling else "")
-            + "); the next dispatch uses it",
-        )
-
-    def _check_capacity_limit(
-        self, record: StepRecord, what: str, factor: str, needed: float, sizes: str
-    ) -> None:
-        """:class:`CapacityLimitError` when the step ``needed`` more of ``factor`` than
-        ``max_capacity_factor`` allows (every rank decides from the same reduced figures)."""
-        limit = self.max_capacity_factor
-        if limit is not None and needed > limit:
-            raise CapacityLimitError(
-                f"step {record.step}: {what}, which needs {factor} >= {needed}, more than "
-                f"max_capacity_factor={limit} allows ({sizes}): raise max_capacity_factor, or "
-                "balance the routing (the router's aux loss)"
-            )
-
-    def _receive_budgets(self) -> list[StaticBudgetDispatcher]:
-        """The dispatchers whose budget is a receive buffer (``receive_budget``: HybridEP's)."""
-        return [d for d in self.dispatchers if getattr(d, "receive_budget", False)]
-
-    def size_receive_after_rerun(self, record: StepRecord) -> None:
-        """After the dropless rerun of a step that went over budget (te_paged's rerun, or
-        Megatron's runner's through :class:`~te_paged.integrations.megatron.MegatronLoopAdapter`;
-        nothing otherwise): for receive budgets, the rows a rank was sent,
-        as the rerun measured them (a receive budget's dispatcher reports what it kept, at
-        most its budget, so the failed attempt cannot say what it needed), reduced over the
-        group (one ``all_reduce`` and host read, on the rerun path only), then the budgets
-        sized from them (:meth:`_size_receive_budgets`)."""
-        pending, self._receive_pending = self._receive_pending, False
-        budgets = self._receive_budgets()
-        if not pending or not budgets:
-            return
-        device = self._device()
-        peak = torch.stack([d.peak_tokens.to(device) for d in budgets]).max()
-        if self._world()[1] > 1:
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.group)
-        record.peak_tokens = max(record.peak_tokens, int(peak))
-        self._size_receive_budgets(record, "over budget")
-
-    def _size_receive_budgets(self, record: StepRecord, why: str) -> None:
-        """Raise the receive budgets (dispatchers with ``receive_budget``: Megatron's HybridEP,
-        which has no wire) to the factor that holds the step's peak rows at one rank
-        (``record.peak_tokens``, reduced over the ranks) x ``capacity_headroom``, when that is
-        above their factor; bounded by ``max_capacity_factor``. Records and logs a change."""
-        grown = self._receive_budgets()
-        d = grown[0] if grown else None
-        if d is None or not d.last_num_tokens or d.capacity_factor is None:
-            return
-        n, peak = d.last_num_tokens, record.peak_tokens
-        needed = d.fitting_capacity_factor(n, peak)
-        if why == "over budget":
-            record.suggested_capacity_factor = needed
-        limit = self.max_capacity_factor
-        self._check_capacity_limit(
-            record, f"a rank was sent up to {peak} rows", d.factor_name, needed,
-            f"{n} tokens per rank, top-{d.config.moe_router_topk}",
-        )  # fmt: skip
-        want = d.fitting_capacity_factor(n, math.ceil(peak * self.capacity_headroom))
-        if limit is not None:
-            want = min(want, limit)
-        old = d.capacity_factor
-        if want <= old:
-            return
-        rows_before = d.rank_budget(n, old)
-        for each in grown:
-            each.set_capacity_factor(want)
-        want = d.capacity_factor  # as the budget took it (at most its max_factor)
-        for manager in self.managers:  # the experts' buffers grow with the budget
-            manager.scale_static_peaks(d.rank_budget(n, want) / max(1, rows_before))
-        record.capacity_growth = {
-            "factor": d.factor_name, "from": old, "to": want,
-            "needed": needed, "why": why,
-        }  # fmt: skip
-        self._log(
-            logging.INFO,
-            f"PagedStashRunner: step {record.step}: {_RECEIVE_WHY[why]} (peak {peak} rows at a "
-            f"rank, budget {record.budget_tokens}), so {d.factor_name} rises "
-            f"{old:g} -> {want:g} (needed {needed:g} x capacity_headroom "
-            f"{self.capacity_headroom:g}); the next dispatch uses it",
-        )
-
-    def _page_bytes(self, key: StashKey) -> int:
-        manager = self.managers[0]
-        return manager.page_size * key.row_bytes
-
-    def _check_pool_bound(self, record: StepRecord, per_rank: list[_RankStats]) -> None:
-        """Every rank decides from the same reduced figures: all raise, or none does."""
-        needs = [sum(f.demand * self._page_bytes(k) for k, f in r.pools.items()) for r in per_rank]
-        over = [rank for rank, need in enumerate(needs) if need > self.max_pool_bytes]
-        if over:
-            raise PoolLimitError(
-                f"step {record.step}: the stash overflowed and rank(s) {over} needed "
-                f"{max(needs) / 2**20:.2f} MiB of device pool at the step's peak "
-                f"({', '.join(f'{k} {v} pages' for k, v in record.pool_demand_pages.items())}), "
-                f"more than max_pool_bytes={self.max_pool_bytes} "
-                f"({self.max_pool_bytes / 2**20:.2f} MiB) allows: raise max_pool_bytes, add a "
-                "host tier (moe_paged_stash_buffer_size_factor_cpu) or balance the routing"
-            )
-
-    def _grow(
-        self, record: StepRecord, needs: dict[StashKey, int], why: str, *, every: bool = False
-    ) -> None:
-        """Grow this rank's pools to ``needs`` (pages per key) times the headroom, never past
-        a key's static peak nor, with ``max_pool_bytes``, past the bound (the headroom is
-        dropped there); a pool already that large is left alone. Records and logs it."""
-        for manager in self.managers:
-            want = {}
-            for key in manager.keys:
-                if key in needs:
-                    static = manager.capture_peaks(key)[2]
-                    want[key] = min(math.ceil(needs[key] * self.grow_headroom), static)
-            if self.max_pool_bytes is not None:
-                total = sum(pages * self._page_bytes(k) for k, pages in want.items())
-                if total > self.max_pool_bytes:  # the need fits (checked): drop the headroom
-                    want = {k: needs[k] for k in want}
-            wanted = {k: pages for k, pages in want.items() if pages}
-            grown = manager.grow(wanted, reallocate_all=every)
-            for key, (old, new) in grown.items():
-                record.pool_growth[str(key)] = {
-                    "from": old, "to": new, "needed": needs[key], "why": why,
-                }  # fmt: skip
-        if record.pool_growth:
-            pools = "; ".join(
-                f"{k} {g['from']} -> {g['to']} pages (needed {g['needed']})"
-                for k, g in record.pool_growth.items()
-            )
-            self._log(
-                logging.INFO,
-                f"PagedStashRunner: step {record.step}: {_GROWTH_WHY[why]}, so the pools grow "
-                f"to that x grow_headroom {self.grow_headroom:g}: {pools} (rank "
-                f"{self._world()[0]}; an expert-parallel group's ranks take their largest); "
-                "allocated at the next step",
-            )
-
-    def _grow_ahead(self, record: StepRecord, per_rank: list[_RankStats]) -> None:
-        """After a step that kept its result with the stash, grow before anything overflows:
-        if any rank's step needed more than its pool / headroom, every rank grows to its own
-        need x headroom and frees its pools (all ranks decide alike from the reduced figures,
-        so an expert-parallel group reallocates, and agrees, together). Nothing is rerun.
-        """
-        short = [
-            rank
-            for rank, r in enumerate(per_rank)
-            if any(math.ceil(f.demand * self.grow_headroom) > f.pages for f in r.pools.values())
-        ]
-        if not short:
-            return
-        # Every rank reallocates at the next reset(), so a group allocates, and agrees, together.
-        self._grow(record, per_rank[self._world()[0]].demand(), "headroom", every=True)
 
     def _fallback(
         self, step_fn: Callable[[], Any], state: StepState, record: StepRecord,

@@ -493,7 +493,7 @@ def test_a_flags_reduction_that_times_out_raises_a_desync(monkeypatch) -> None:
 
 
 def test_pool_keys_travel_as_codes_in_a_fixed_size_slot() -> None:
-    from te_paged.runtime.runner import _MAX_KEYS, _SLOT, key_code, key_from_code
+    from te_paged.runtime.reduction import _MAX_KEYS, _SLOT, key_code, key_from_code
     from te_paged.stash import StashKey
 
     keys = [

@@ -1,0 +1,184 @@
+"""How :class:`~te_paged.runtime.PagedStashRunner` sizes the dispatchers' budgets
+(``grow_capacity``): te_paged's wire (``a2a_capacity_factor``, from the step's largest pair
+demand, or once after the auto wire's warm-up) and receive budgets (HybridEP's, from the peak
+its rerun measured), × ``capacity_headroom``, bounded by ``max_capacity_factor``
+(:class:`~te_paged.runtime.CapacityLimitError`)."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import torch.distributed as dist
+
+from te_paged.moe import StaticBudgetDispatcher
+from te_paged.runtime.records import CapacityLimitError, StepRecord
+
+_RECEIVE_WHY = {
+    "capture": "the capture step's peak x capacity_headroom did not fit the receive budget",
+    "over budget": "a rank went over its receive budget",
+    "headroom": "a rank's peak left less than capacity_headroom free",
+}
+
+_CAPACITY_WHY = {
+    "capture": "the capture step's largest pair demand x capacity_headroom did not fit the wire",
+    "over budget": "a rank went over the wire budget",
+    "headroom": "a rank's largest pair demand left less than capacity_headroom free",
+    "warm-up": "the auto wire is sized from its first steps' largest pair demand",
+}
+
+
+class BudgetSizing:
+    """Part of :class:`~te_paged.runtime.PagedStashRunner` (mixed into it; uses its
+    attributes): see the module docstring."""
+
+    def _factor_name(self) -> str:
+        """The name users set the dispatchers' budget factor by (a framework's own, e.g.
+        torchtitan HybridEP's ``non_blocking_capacity_factor``)."""
+        d = self.dispatchers[0] if self.dispatchers else None
+        return getattr(d, "factor_name", "moe_expert_rank_capacity_factor")
+
+    def _wire(self) -> StaticBudgetDispatcher | None:
+        """The first dispatcher with a wire budget (the group's ranks send blocks), if any."""
+        return next(
+            (d for d in self.dispatchers if d.a2a_capacity_factor is not None and d.ep_size > 1),
+            None,
+        )
+
+    def _size_capacity(self, record: StepRecord, why: str) -> None:
+        """Raise every dispatcher's wire to the factor that holds the step's largest pair demand
+        (``record.peak_pair_tokens``, reduced over the ranks: all decide alike, no collective)
+        x ``capacity_headroom``, if that is above the wire's factor; bounded by the expert
+        buffer's factor and ``max_capacity_factor``. An auto wire (:attr:`wire_auto
+        <te_paged.moe.StaticBudgetDispatcher.wire_auto>`) only watches until its
+        ``auto_wire_steps``-th call, then takes the factor of the largest demand it saw, lower
+        too. Records and logs a change."""
+        if self.grow_capacity and why != "over budget":  # that one: after the rerun measured it
+            self._size_receive_budgets(record, why)
+        wire = self._wire()
+        if not self.grow_capacity or wire is None or not wire.last_num_tokens:
+            return
+        n, peak = wire.last_num_tokens, record.peak_pair_tokens
+        first = wire.wire_auto
+        if first:  # at the expert factor, which holds whatever the expert buffer holds
+            self._auto_wire_seen += 1
+            peak = self._auto_wire_peak = max(self._auto_wire_peak, peak)
+            if self._auto_wire_seen < self.auto_wire_steps:
+                return
+            why = "warm-up"
+        needed = wire.fitting_capacity_factor(n, peak)
+        limit = self.max_capacity_factor
+        self._check_capacity_limit(
+            record, f"a rank sent up to {peak} rows to one rank", "a2a_capacity_factor", needed,
+            f"{n} tokens per rank, top-{wire.config.moe_router_topk}, {wire.ep_size} ranks",
+        )  # fmt: skip
+        want = wire.fitting_capacity_factor(n, math.ceil(peak * self.capacity_headroom))
+        ceiling = min(d.capacity_factor for d in self.dispatchers if d.capacity_factor)
+        if limit is not None:
+            ceiling = min(ceiling, limit)
+        want = min(want, ceiling)
+        old = wire.a2a_capacity_factor
+        holds = want < old or wire.fitting_capacity_factor(n, wire.pair_capacity) >= want
+        if want == old or (holds and not first):  # (its rounding may give more than its factor)
+            for d in self.dispatchers:
+                d.wire_auto = False
+            return
+        for d in self.dispatchers:
+            if d.a2a_capacity_factor is not None:
+                d.set_a2a_capacity_factor(min(want, d.capacity_factor))
+        record.capacity_growth = {
+            "factor": "a2a_capacity_factor",
+            "from": old,
+            "to": want,
+            "needed": needed,
+            "why": why,
+        }
+        self._log(
+            logging.INFO,
+            f"PagedStashRunner: step {record.step}: {_CAPACITY_WHY[why]} (largest pair demand "
+            f"{peak} rows, pair capacity {record.pair_capacity}), so a2a_capacity_factor "
+            f"{'falls' if want < old else 'rises'} "
+            f"{old:g} -> {want:g} (needed {needed:g} x capacity_headroom "
+            f"{self.capacity_headroom:g}"
+            + (", capped at the expert buffer's factor" if want == ceiling else "")
+            + "); the next dispatch uses it",
+        )
+
+    def _check_capacity_limit(
+        self, record: StepRecord, what: str, factor: str, needed: float, sizes: str
+    ) -> None:
+        """:class:`CapacityLimitError` when the step ``needed`` more of ``factor`` than
+        ``max_capacity_factor`` allows (every rank decides from the same reduced figures)."""
+        limit = self.max_capacity_factor
+        if limit is not None and needed > limit:
+            raise CapacityLimitError(
+                f"step {record.step}: {what}, which needs {factor} >= {needed}, more than "
+                f"max_capacity_factor={limit} allows ({sizes}): raise max_capacity_factor, or "
+                "balance the routing (the router's aux loss)"
+            )
+
+    def _receive_budgets(self) -> list[StaticBudgetDispatcher]:
+        """The dispatchers whose budget is a receive buffer (``receive_budget``: HybridEP's)."""
+        return [d for d in self.dispatchers if getattr(d, "receive_budget", False)]
+
+    def size_receive_after_rerun(self, record: StepRecord) -> None:
+        """After the dropless rerun of a step that went over budget (te_paged's rerun, or
+        Megatron's runner's through :class:`~te_paged.integrations.megatron.MegatronLoopAdapter`;
+        nothing otherwise): for receive budgets, the rows a rank was sent,
+        as the rerun measured them (a receive budget's dispatcher reports what it kept, at
+        most its budget, so the failed attempt cannot say what it needed), reduced over the
+        group (one ``all_reduce`` and host read, on the rerun path only), then the budgets
+        sized from them (:meth:`_size_receive_budgets`)."""
+        pending, self._receive_pending = self._receive_pending, False
+        budgets = self._receive_budgets()
+        if not pending or not budgets:
+            return
+        device = self._device()
+        peak = torch.stack([d.peak_tokens.to(device) for d in budgets]).max()
+        if self._world()[1] > 1:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.group)
+        record.peak_tokens = max(record.peak_tokens, int(peak))
+        self._size_receive_budgets(record, "over budget")
+
+    def _size_receive_budgets(self, record: StepRecord, why: str) -> None:
+        """Raise the receive budgets (dispatchers with ``receive_budget``: Megatron's HybridEP,
+        which has no wire) to the factor that holds the step's peak rows at one rank
+        (``record.peak_tokens``, reduced over the ranks) x ``capacity_headroom``, when that is
+        above their factor; bounded by ``max_capacity_factor``. Records and logs a change."""
+        grown = self._receive_budgets()
+        d = grown[0] if grown else None
+        if d is None or not d.last_num_tokens or d.capacity_factor is None:
+            return
+        n, peak = d.last_num_tokens, record.peak_tokens
+        needed = d.fitting_capacity_factor(n, peak)
+        if why == "over budget":
+            record.suggested_capacity_factor = needed
+        limit = self.max_capacity_factor
+        self._check_capacity_limit(
+            record, f"a rank was sent up to {peak} rows", d.factor_name, needed,
+            f"{n} tokens per rank, top-{d.config.moe_router_topk}",
+        )  # fmt: skip
+        want = d.fitting_capacity_factor(n, math.ceil(peak * self.capacity_headroom))
+        if limit is not None:
+            want = min(want, limit)
+        old = d.capacity_factor
+        if want <= old:
+            return
+        rows_before = d.rank_budget(n, old)
+        for each in grown:
+            each.set_capacity_factor(want)
+        want = d.capacity_factor  # as the budget took it (at most its max_factor)
+        for manager in self.managers:  # the experts' buffers grow with the budget
+            manager.scale_static_peaks(d.rank_budget(n, want) / max(1, rows_before))
+        record.capacity_growth = {
+            "factor": d.factor_name, "from": old, "to": want,
+            "needed": needed, "why": why,
+        }  # fmt: skip
+        self._log(
+            logging.INFO,
+            f"PagedStashRunner: step {record.step}: {_RECEIVE_WHY[why]} (peak {peak} rows at a "
+            f"rank, budget {record.budget_tokens}), so {d.factor_name} rises "
+            f"{old:g} -> {want:g} (needed {needed:g} x capacity_headroom "
+            f"{self.capacity_headroom:g}); the next dispatch uses it",
+        )

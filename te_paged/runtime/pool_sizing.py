@@ -1,0 +1,115 @@
+"""How :class:`~te_paged.runtime.PagedStashRunner` sizes the stash pools after a step
+(``grow_pool``): never below the largest need seen × ``grow_headroom``, bounded by
+``max_pool_bytes`` (:class:`~te_paged.runtime.PoolLimitError`)."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from te_paged.runtime.records import PoolLimitError, StepRecord
+from te_paged.runtime.reduction import _RankStats
+from te_paged.runtime.reporting import _MARGIN
+from te_paged.stash import StashKey
+
+_GROWTH_WHY = {
+    "capture": "the capture step held more than the pools' factor gives",
+    "overflow": "the stash overflowed",
+    "headroom": "a rank's step left less than the headroom free",
+}
+
+
+class PoolSizing:
+    """Part of :class:`~te_paged.runtime.PagedStashRunner` (mixed into it; uses its
+    attributes): see the module docstring."""
+
+    def _grow_after_capture(self, record: StepRecord) -> None:
+        """The capture step's observed peak is a need too: no pool starts below it."""
+        needs = {k: m.capture_peaks(k)[1] for m in self.managers for k in m.keys}
+        self._grow(record, needs, "capture")
+
+    def _fitting_pool_factor(
+        self, record: StepRecord, per_rank: list[_RankStats] | None = None
+    ) -> float | None:
+        # The pool holds factor x (balanced peak pages). The step's demanded peak over its
+        # balanced peak, max over ranks and keys, is the factor that would have fitted it.
+        ratios = [
+            figures.demand / figures.balanced
+            for r in per_rank or []
+            for figures in r.pools.values()
+            if figures.balanced and figures.demand
+        ]
+        if not ratios:  # no pool this step (the host tier spilled?): bound it by the tokens
+            if not self.managers or not record.balanced_tokens or not record.peak_tokens:
+                return None
+            ratios = [record.peak_tokens / record.balanced_tokens]
+        return math.ceil(100 * max(ratios) * _MARGIN) / 100
+
+    def _page_bytes(self, key: StashKey) -> int:
+        manager = self.managers[0]
+        return manager.page_size * key.row_bytes
+
+    def _check_pool_bound(self, record: StepRecord, per_rank: list[_RankStats]) -> None:
+        """Every rank decides from the same reduced figures: all raise, or none does."""
+        needs = [sum(f.demand * self._page_bytes(k) for k, f in r.pools.items()) for r in per_rank]
+        over = [rank for rank, need in enumerate(needs) if need > self.max_pool_bytes]
+        if over:
+            raise PoolLimitError(
+                f"step {record.step}: the stash overflowed and rank(s) {over} needed "
+                f"{max(needs) / 2**20:.2f} MiB of device pool at the step's peak "
+                f"({', '.join(f'{k} {v} pages' for k, v in record.pool_demand_pages.items())}), "
+                f"more than max_pool_bytes={self.max_pool_bytes} "
+                f"({self.max_pool_bytes / 2**20:.2f} MiB) allows: raise max_pool_bytes, add a "
+                "host tier (moe_paged_stash_buffer_size_factor_cpu) or balance the routing"
+            )
+
+    def _grow(
+        self, record: StepRecord, needs: dict[StashKey, int], why: str, *, every: bool = False
+    ) -> None:
+        """Grow this rank's pools to ``needs`` (pages per key) times the headroom, never past
+        a key's static peak nor, with ``max_pool_bytes``, past the bound (the headroom is
+        dropped there); a pool already that large is left alone. Records and logs it."""
+        for manager in self.managers:
+            want = {}
+            for key in manager.keys:
+                if key in needs:
+                    static = manager.capture_peaks(key)[2]
+                    want[key] = min(math.ceil(needs[key] * self.grow_headroom), static)
+            if self.max_pool_bytes is not None:
+                total = sum(pages * self._page_bytes(k) for k, pages in want.items())
+                if total > self.max_pool_bytes:  # the need fits (checked): drop the headroom
+                    want = {k: needs[k] for k in want}
+            wanted = {k: pages for k, pages in want.items() if pages}
+            grown = manager.grow(wanted, reallocate_all=every)
+            for key, (old, new) in grown.items():
+                record.pool_growth[str(key)] = {
+                    "from": old, "to": new, "needed": needs[key], "why": why,
+                }  # fmt: skip
+        if record.pool_growth:
+            pools = "; ".join(
+                f"{k} {g['from']} -> {g['to']} pages (needed {g['needed']})"
+                for k, g in record.pool_growth.items()
+            )
+            self._log(
+                logging.INFO,
+                f"PagedStashRunner: step {record.step}: {_GROWTH_WHY[why]}, so the pools grow "
+                f"to that x grow_headroom {self.grow_headroom:g}: {pools} (rank "
+                f"{self._world()[0]}; an expert-parallel group's ranks take their largest); "
+                "allocated at the next step",
+            )
+
+    def _grow_ahead(self, record: StepRecord, per_rank: list[_RankStats]) -> None:
+        """After a step that kept its result with the stash, grow before anything overflows:
+        if any rank's step needed more than its pool / headroom, every rank grows to its own
+        need x headroom and frees its pools (all ranks decide alike from the reduced figures,
+        so an expert-parallel group reallocates, and agrees, together). Nothing is rerun.
+        """
+        short = [
+            rank
+            for rank, r in enumerate(per_rank)
+            if any(math.ceil(f.demand * self.grow_headroom) > f.pages for f in r.pools.values())
+        ]
+        if not short:
+            return
+        # Every rank reallocates at the next reset(), so a group allocates, and agrees, together.
+        self._grow(record, per_rank[self._world()[0]].demand(), "headroom", every=True)
