@@ -214,7 +214,7 @@ class Pair:
         # Garbage record: te_paged's copy must write the meta and leave unused slots alone.
         rec_pages_M = torch.full((-(-max_rows // S),), -7, dtype=torch.int32, device=self.device)
         rec_meta = torch.full((META_LEN,), 5, dtype=torch.int64, device=self.device)
-        # As the manager does: the rows as their same-width integers (te_paged/stash/manager.py).
+        # As the manager does: the rows as their same-width integers (te_paged/stash/packing.py).
         triton_stash_copy(src_RH.view(storage_dtype(self.dtype)), n, tokens_per_row, S,
                           *self.te.kernel_args(), self.flags, rec_pages_M, rec_meta)  # fmt: skip
         paged = mc.PagedTensor(
