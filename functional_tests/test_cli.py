@@ -156,7 +156,7 @@ def test_ab_spawns_ranks_and_writes_json_plot_and_profile(tmp_path) -> None:
     assert profile.pairwise and len(profile.tokens_by_source[0][0]) == 2  # by source rank
     plan = te_paged("plan", "--profile", str(prof), "--hidden", "32", "--ffn", "64")
     assert plan.returncode == 0 and "moe_expert_rank_capacity_factor" in plan.stdout
-    assert "exact for te_paged's budget per (source, destination) rank pair" in plan.stdout
+    assert "exact for its budget per (source, destination) rank pair" in plan.stdout
 
 
 def test_ab_under_torchrun_uses_the_launchers_ranks(tmp_path) -> None:
