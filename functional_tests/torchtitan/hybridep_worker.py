@@ -22,7 +22,7 @@ import os
 import sys
 from pathlib import Path
 
-from functional_tests.torchtitan.worker import BASE, _same
+from functional_tests.torchtitan.worker import BASE, _same, start_rank
 
 STEPS = 3
 SKEW = 20.0
@@ -33,19 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
 
-    import torch
     import torch.distributed as dist
 
     import functional_tests.stand_ins.hybrid_ep_installed  # noqa: F401  (deep_ep stand-in)
-    from te_paged.integrations.torchtitan import cpu_shims
+    from te_paged.tools.torchtitan_ab import TorchtitanModelConfig, train
 
-    cpu_shims.install()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    from te_paged.tools.torchtitan_ab import TorchtitanModelConfig, quiet_torchtitan, train
-
-    quiet_torchtitan()
-    rank, device = dist.get_rank(), torch.device("cpu")
+    rank, device = start_rank()
 
     def run(paged: bool, **kw):
         return train(TorchtitanModelConfig(**{**BASE, "steps": STEPS, **kw}), paged, device)

@@ -55,11 +55,9 @@ def _same(a, b) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args(argv)
-
+def start_rank():
+    """One rank's set-up, shared by the torchtitan workers: the CPU shims, one thread, gloo,
+    torchtitan's logging quiet. Returns ``(rank, cpu device)``."""
     import torch
     import torch.distributed as dist
 
@@ -68,10 +66,22 @@ def main(argv: list[str] | None = None) -> int:
     cpu_shims.install()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    from te_paged.tools.torchtitan_ab import TorchtitanModelConfig, quiet_torchtitan, train
+    from te_paged.tools.torchtitan_ab import quiet_torchtitan
 
     quiet_torchtitan()
-    rank, device = dist.get_rank(), torch.device("cpu")
+    return dist.get_rank(), torch.device("cpu")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+
+    import torch.distributed as dist
+
+    from te_paged.tools.torchtitan_ab import TorchtitanModelConfig, train
+
+    rank, device = start_rank()
     off_runs = {
         name: train(TorchtitanModelConfig(**{**BASE, **kw}), False, device)
         for name, kw in OFF.items()
