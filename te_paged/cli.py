@@ -165,6 +165,13 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
     )
     g.add_argument("--recompute", action="store_true", help="selective recompute of moe_act")
     g.add_argument(
+        "--skip-immediate-backward",
+        action=argparse.BooleanOptionalAction,
+        help="moe_paged_stash_skip_immediate_backward: keep unpaged the tensors of the layer "
+        "whose backward follows its forward at once (the last MoE layer) "
+        f"(default: {'on' if d.skip_immediate_backward else 'off'})",
+    )
+    g.add_argument(
         "--op-fuser",
         action="store_true",
         help="the fused FC1-activation-FC2 path (default: unfused)",

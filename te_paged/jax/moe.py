@@ -126,6 +126,7 @@ class RingMoEConfig:
             page_size=self.page_size,
             buffer_factor=self.buffer_factor,
             capacity_factor=self.capacity_factor,
+            skip_immediate_backward=False,  # the JAX port pages every layer
         )
         return plan.pool_pages[self.saved.key]
 

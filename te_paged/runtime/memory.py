@@ -152,9 +152,11 @@ def reload_adjusted_saving(
     Backward pops a layer's tensors into static-size buffers (``cf × S / L``) while the pool
     still holds the layers not yet reached, so at the peak one layer's worth is held twice;
     ``reload_layers`` ``R`` is 1, or ``1 + reload_lookahead`` when a manager with stream
-    overlap prefetches earlier layers. Example: 8 layers, cf 2.0, bf 1.1 → 0.65 S instead of
-    0.9 S; 4 layers, cf 1.5 → 0.025 S, almost nothing — fewer, larger layers leave paging less
-    to gain.
+    overlap prefetches earlier layers. ``buffer_factor`` is the pool over ``S``: where
+    ``skip_immediate_backward`` keeps the last layer unpaged (its tensors are then the first
+    layer's reload), the pool holds ``(L − 1)/L`` of the configured factor's. Example: 8
+    layers, cf 2.0, bf 1.1 → 0.65 S instead of 0.9 S; 4 layers, cf 1.5 → 0.025 S, almost
+    nothing — fewer, larger layers leave paging less to gain.
     """
     live = reload_layers * capacity_factor / layers
     return (capacity_factor - buffer_factor - live) * s_bytes

@@ -422,6 +422,7 @@ def named_sizes(
     layers: int | None = None,
     ring_of_experts: bool = False,
     itemsize: int = 2,
+    skip_immediate_backward: bool | None = None,
 ) -> dict[str, float]:
     """Sizes per rank, in bytes, for a model with no run.
 
@@ -429,6 +430,10 @@ def named_sizes(
     all EP ranks: worst case ``batch·EP·seq·k`` rows, of which ``1/EP`` are expected);
     otherwise a rank's balanced load is ``batch·seq·k`` rows and its static buffer
     ``capacity_factor`` times that (Megatron's HybridEP budget).
+
+    ``skip_immediate_backward`` (default: on, as :class:`~te_paged.config.MoEConfig`'s, except
+    for the ring of experts, whose JAX port pages every layer) keeps the last layer, whose
+    backward comes first, out of the pool: it holds ``(L − 1)/L`` of ``buffer_factor × S``.
     """
     from te_paged.runtime.memory import capacity_model_saving, reload_adjusted_saving
 
@@ -442,6 +447,9 @@ def named_sizes(
     row = cfg.hidden * itemsize  # one saved activation of width H, e.g. the FC2 output
     per_token = stashed_bytes_per_token(cfg.hidden, cfg.ffn, itemsize=itemsize)
     s_bytes = balanced * per_token * layers
+    if skip_immediate_backward is None:
+        skip_immediate_backward = not ring_of_experts
+    bf = buffer_factor * (layers - 1) / layers if skip_immediate_backward else buffer_factor
     return {
         "worst_case_rows": worst,
         "balanced_rows": balanced,
@@ -449,12 +457,11 @@ def named_sizes(
         "hidden_row_bytes_all_layers_static": worst * row * layers,
         "hidden_row_bytes_all_layers_balanced": balanced * row * layers,
         "mlp_saved_bytes_static": (worst / balanced) * s_bytes,
-        "mlp_saved_bytes_pool": buffer_factor * s_bytes,
+        "mlp_saved_bytes_pool": bf * s_bytes,
         "S_bytes": s_bytes,
-        "predicted_saving_bytes": capacity_model_saving(worst / balanced, buffer_factor, s_bytes),
-        "peak_saving_bytes": reload_adjusted_saving(
-            worst / balanced, buffer_factor, s_bytes, layers
-        ),
+        "pool_over_S": bf,
+        "predicted_saving_bytes": capacity_model_saving(worst / balanced, bf, s_bytes),
+        "peak_saving_bytes": reload_adjusted_saving(worst / balanced, bf, s_bytes, layers),
     }
 
 
@@ -499,13 +506,16 @@ class StagePool:
     stage: int
     in_flight: InFlight  # peak of passes forwarded, not backwarded (microbatch-chunks)
     live_layers: int  # in_flight.peak × layers per chunk: layers' tensors held at the peak
+    pooled_layers: int  # of those, the layers in the pool (skip_immediate_backward keeps one)
     peak_balanced_pages: dict[str, int]  # what the capture step records
     pool_pages: dict[str, int]  # ceil(buffer_factor × peak balanced pages), at least 1
     pool_bytes: dict[str, int]
     s_bytes: int  # S: balanced-case bytes of the tensors live at the peak
     static_bytes: float  # OFF: the same tensors at their static size, capacity_factor × S
-    saving_bytes: float  # the capacity model, (capacity_factor − buffer_factor) × S
-    peak_saving_bytes: float  # less one layer reloaded at static size, (cf − bf − cf/layers)·S
+    # The capacity model, (capacity_factor − bf) × S, and less one layer reloaded at static
+    # size, (cf − bf − cf/layers)·S, with bf the pool over S: buffer_factor × pooled/live layers.
+    saving_bytes: float
+    peak_saving_bytes: float
 
     @property
     def total_pool_bytes(self) -> int:
@@ -531,6 +541,7 @@ def pipeline_pool_plan(
     page_size: int = 64,
     buffer_factor: float = 1.10,
     capacity_factor: float = 2.0,
+    skip_immediate_backward: bool = True,
 ) -> list[StagePool]:
     """Each pipeline stage's in-flight peak and the pool its manager allocates after capture.
 
@@ -541,7 +552,10 @@ def pipeline_pool_plan(
     pages (static rows: ``ceil(capacity_factor × balanced)``), the capture peak is ``live_layers
     × Σ pages`` per key — the peak comes right after a forward pass, when every layer of the
     in-flight passes is live — and the pool ``max(1, ceil(buffer_factor × peak))`` pages, the
-    manager's expression, float rounding included (``ceil(1.1 × 50)`` is 56).
+    manager's expression, float rounding included (``ceil(1.1 × 50)`` is 56). With
+    ``skip_immediate_backward`` (the default, as :class:`~te_paged.config.MoEConfig`'s) a
+    forward whose backward comes next (PP 1, a last stage under 1F1B) keeps its last layer
+    out of the pool (:meth:`~te_paged.runtime.schedules.InFlight.pooled_layers`).
 
     With ``pipeline_parallel = 1`` this is the plan of one microbatch in flight (Megatron-core
     runs forward and backward of each microbatch in turn), whatever ``microbatches`` is.
@@ -575,23 +589,24 @@ def pipeline_pool_plan(
     for stage in range(pipeline_parallel):
         flight = in_flight(pipeline, stage)
         layers = flight.peak * per_chunk
-        peak = {k: layers * n for k, n in pages_per_layer.items()}
+        pooled = flight.pooled_layers(per_chunk, skip_immediate_backward)
+        peak = {k: pooled * n for k, n in pages_per_layer.items()}
         pool = {k: max(1, math.ceil(buffer_factor * n)) for k, n in peak.items()}
         s_bytes = math.ceil(layers * balanced_rows * bytes_per_token)
+        bf = buffer_factor * pooled / layers
         plans.append(
             StagePool(
                 stage=stage,
                 in_flight=flight,
                 live_layers=layers,
+                pooled_layers=pooled,
                 peak_balanced_pages=peak,
                 pool_pages=pool,
                 pool_bytes={k: n * page_size * row_bytes[k] for k, n in pool.items()},
                 s_bytes=s_bytes,
                 static_bytes=capacity_factor * s_bytes,
-                saving_bytes=capacity_model_saving(capacity_factor, buffer_factor, s_bytes),
-                peak_saving_bytes=reload_adjusted_saving(
-                    capacity_factor, buffer_factor, s_bytes, layers
-                ),
+                saving_bytes=capacity_model_saving(capacity_factor, bf, s_bytes),
+                peak_saving_bytes=reload_adjusted_saving(capacity_factor, bf, s_bytes, layers),
             )
         )
     return plans

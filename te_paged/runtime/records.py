@@ -70,6 +70,9 @@ class StepRecord:
     capacity_growth: dict[str, Any] = dataclasses.field(default_factory=dict)
     # Bytes this rank handed the all-to-alls in the step, every attempt (docs/run-record.md).
     bytes_sent: int = 0
+    # Saved tensors this rank's managers kept unpaged in attempt 1, their backward following
+    # their forward at once (skip_immediate_backward); 0 in the capture step, which learns them.
+    stashes_skipped: int = 0
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

@@ -376,6 +376,7 @@ class PagedStashRunner(StepReduction, PoolSizing, BudgetSizing, Reporting):
             if record.host_spill_ranks:
                 self._log(logging.INFO, self._spill_message(record, flag_ranks[2], len(per_rank)))
         record.bytes_sent = self._bytes_sent()
+        record.stashes_skipped = sum(m.stashes_skipped for m in self.managers)
         if self.record_routing:
             self._gather_routing()
         self.step_index += 1

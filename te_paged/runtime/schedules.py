@@ -162,10 +162,23 @@ class InFlight:
     ``peak`` counts microbatch-chunks over all chunks at the worst moment (microbatches under
     1F1B); ``chunk_peaks[c]`` is chunk ``c``'s own peak of live microbatches (reached at
     different moments, so they may sum to more than ``peak``).
+
+    ``peak_immediate`` is the largest count right after a forward whose own backward comes
+    next (its last layer's tensors are popped first: ``skip_immediate_backward`` keeps them
+    unpaged), ``peak_other`` after any other forward; 0 where there is none.
     """
 
     peak: int
     chunk_peaks: tuple[int, ...]
+    peak_immediate: int = 0
+    peak_other: int = 0
+
+    def pooled_layers(self, per_chunk: int, skip_immediate_backward: bool) -> int:
+        """Layers whose tensors the stage's pool holds at its peak, ``per_chunk`` layers a
+        chunk: ``peak × per_chunk``, less the kept last layer of an immediate forward."""
+        if not skip_immediate_backward:
+            return self.peak * per_chunk
+        return max(self.peak_other * per_chunk, self.peak_immediate * per_chunk - 1)
 
 
 def schedule_table(microbatches: int, chunks: int, group_size: int) -> list[tuple[int, int]]:
@@ -213,14 +226,20 @@ def in_flight(pipeline: PipelineConfig, rank: int) -> InFlight:
     """Run :func:`pass_order` and count the live microbatch-chunks after every pass."""
     live: list[set[int]] = [set() for _ in range(pipeline.chunks)]
     peak, chunk_peaks = 0, [0] * pipeline.chunks
-    for p in pass_order(pipeline, rank):
+    peaks = {True: 0, False: 0}  # after an immediate forward, after another
+    order = pass_order(pipeline, rank)
+    for i, p in enumerate(order):
         if p.forward:
             assert p.microbatch not in live[p.chunk], p  # forwarded twice
             live[p.chunk].add(p.microbatch)
             chunk_peaks[p.chunk] = max(chunk_peaks[p.chunk], len(live[p.chunk]))
-            peak = max(peak, sum(map(len, live)))
+            count = sum(map(len, live))
+            peak = max(peak, count)
+            nxt = order[i + 1] if i + 1 < len(order) else None
+            immediate = nxt == Pass(False, p.microbatch, p.chunk)
+            peaks[immediate] = max(peaks[immediate], count)
         else:
             assert p.microbatch in live[p.chunk], p  # backward of a pass never forwarded
             live[p.chunk].remove(p.microbatch)
     assert not any(live), live  # every pass backwarded by the end of the step
-    return InFlight(peak, tuple(chunk_peaks))
+    return InFlight(peak, tuple(chunk_peaks), peaks[True], peaks[False])

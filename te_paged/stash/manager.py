@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from te_paged.config import MoEConfig
 from te_paged.config.checks import (
     require_bool,
     require_device,
@@ -96,6 +97,12 @@ class PagedStashManager(PoolAllocation, Packing, StashReporting):
     of an expert-parallel group hold the same pools. Every rank of the group must then call
     :meth:`reset` at the same steps (a runner does); :class:`~te_paged.runtime.PagedStashRunner`
     sets it to the expert-parallel group unless told ``per_rank_pools=True``.
+
+    ``skip_immediate_backward`` keeps unpaged the tensors of the scopes whose backward
+    follows their forward at once (found in the capture step, by the order scopes open; see
+    :mod:`te_paged.stash.packing`): no copy into pages and straight back, and pools sized
+    without them. Gradients are the same either way; :attr:`StashStats.stashes_skipped`
+    counts the tensors kept.
     """
 
     def __init__(
@@ -111,6 +118,7 @@ class PagedStashManager(PoolAllocation, Packing, StashReporting):
         stream_overlap: bool | None = None,
         reload_lookahead: int = 1,
         pool_group: dist.ProcessGroup | None = None,
+        skip_immediate_backward: bool = False,
     ) -> None:
         page_size = require_int("page_size", page_size, minimum=1)
         if page_size > _MAX_PAGE_SIZE:
@@ -145,6 +153,7 @@ class PagedStashManager(PoolAllocation, Packing, StashReporting):
                 "are no streams to overlap on (leave it None: on for CUDA, off elsewhere)"
             )
         reload_lookahead = require_int("reload_lookahead", reload_lookahead, minimum=0)
+        require_bool("skip_immediate_backward", skip_immediate_backward)
         self.page_size = page_size
         self.buffer_size_factor_cuda = buffer_size_factor_cuda
         self.buffer_size_factor_cpu = buffer_size_factor_cpu
@@ -153,6 +162,18 @@ class PagedStashManager(PoolAllocation, Packing, StashReporting):
         self.zero_padding = zero_padding
         self.stream_overlap = stream_overlap
         self.reload_lookahead = reload_lookahead
+        self.skip_immediate_backward = skip_immediate_backward
+        # skip_immediate_backward (te_paged.stash.packing): the scopes the capture step found
+        # immediate, by their place in the step's order; the scopes opened in this step; the
+        # (index, layer) of the scope whose first pop would make it immediate (capture) or that
+        # a paged step keeps unpaged and has not popped yet; the capture step's stashes and
+        # pops in order, to recount the pool peaks without the immediate scopes.
+        self._immediate: set[int] = set()
+        self._scopes_opened = 0
+        self._pending: tuple[int, int | None] | None = None
+        self._capture_log: list = []
+        self._skipped = 0
+        self._warned_skip_missed = False
         # Streams: the no-op base class without overlap (everything on the compute stream).
         self._streams: Streams = CudaStreams(self.device) if stream_overlap else Streams()
         self._last_side: dict = {PACK: None, UNPACK: None}  # events after the latest stash/pop
@@ -210,6 +231,12 @@ class PagedStashManager(PoolAllocation, Packing, StashReporting):
             kernel_backend=config.moe_paged_stash_kernel_backend,
             stream_overlap=stream_overlap,
             reload_lookahead=reload_lookahead,
+            # Megatron's TransformerConfig has no such field: te_paged's default there.
+            skip_immediate_backward=getattr(
+                config,
+                "moe_paged_stash_skip_immediate_backward",
+                MoEConfig.moe_paged_stash_skip_immediate_backward,
+            ),
         )
 
     # ------------------------------------------------------------------------------ on / off
@@ -258,15 +285,16 @@ class PagedStashManager(PoolAllocation, Packing, StashReporting):
         for buffer in self.buffers.values():
             buffer.reset()
         self.flags.zero_()
-        self._stashes = self._pops = self._capture_bytes = 0
+        self._stashes = self._pops = self._capture_bytes = self._skipped = 0
+        self._scopes_opened, self._pending = 0, None
+        self._capture_log.clear()
         self._stepped_since_reset = False
         self._live_rows.clear()
         self._step_counts.clear()
         if self.timeline is not None:
             self.timeline.clear()
         for peak in self._peaks.values():
-            peak.live_rows = peak.live_pages = 0
-            peak.live_balanced = peak.live_balanced_pages = peak.live_static_pages = 0
+            peak.clear_live()
 
     def clear_flags(self) -> None:
         """Zero the flags in place, keeping the pools and pages (allocation-free, sync-free):
@@ -298,6 +326,12 @@ class PagedStashManager(PoolAllocation, Packing, StashReporting):
         if self.buffers:
             logger.debug("freed the paged-stash pools (%s)", ", ".join(map(str, self.buffers)))
         self.buffers.clear()
+
+    @property
+    def stashes_skipped(self) -> int:
+        """Saved tensors kept unpaged in this step so far (``skip_immediate_backward``): a host
+        counter, no read."""
+        return self._skipped
 
     @property
     def reload_layers(self) -> int:
@@ -358,6 +392,19 @@ class PagedStashManager(PoolAllocation, Packing, StashReporting):
         require_int("avg_num_tokens", avg_num_tokens, minimum=0)
         if layer is not None:
             require_int("layer", layer, minimum=0)
+        index = self._scopes_opened
+        skip = False
+        # Scopes that cannot save (no grad: evaluation, a reentrant checkpoint's first forward)
+        # do not count, so an evaluation forward does not shift the order the capture learned.
+        if self.skip_immediate_backward and torch.is_grad_enabled():
+            self._scopes_opened += 1
+            if self.mode is StashMode.CAPTURE:
+                self._pending = (index, layer)  # immediate if its tensors are popped first
+            else:
+                if self._pending is not None:  # a kept scope's backward did not come first
+                    self._warn_skip_missed(self._pending[1])
+                    self._pending = None
+                skip = index in self._immediate
         group = None
         if self._streams.overlap and self.mode is StashMode.CAPTURED:
             last = self._last_group
@@ -365,7 +412,9 @@ class PagedStashManager(PoolAllocation, Packing, StashReporting):
                 layer is None or last.layer is None or last.layer < layer
             )  # layer numbers rise through a forward pass; a fall starts a new one
             group = self._last_group = _Group(layer, last if same_pass else None)
-        self._scope = _Scope(max_num_tokens, num_tokens.reshape(1), avg_num_tokens, layer, group)
+        self._scope = _Scope(
+            max_num_tokens, num_tokens.reshape(1), avg_num_tokens, layer, index, skip, group
+        )
         # Kept (a reference, no copy) for invalid_counts(): which layer an INVALID flag came from.
         self._step_counts.append((layer, self._scope.num_tokens, max_num_tokens))
         try:
@@ -373,6 +422,22 @@ class PagedStashManager(PoolAllocation, Packing, StashReporting):
                 yield
         finally:
             self._scope = None
+
+    def _warn_skip_missed(self, layer: int | None) -> None:
+        if self._warned_skip_missed:
+            return
+        self._warned_skip_missed = True
+        where = f"layer {layer}" if layer is not None else "a scope"
+        warnings.warn(
+            f"PagedStashManager: skip_immediate_backward kept {where}'s saved tensors unpaged, "
+            "since in the capture step its backward came right after its forward; in this step "
+            "another layer's forward or backward came first (the schedule changed since the "
+            "capture step). Gradients are unaffected, but those tensors stay at their static "
+            "size until their backward, above what the pools were sized for. Run every step "
+            "with the capture step's schedule, or set skip_immediate_backward=False.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
     def _check_device(self, name: str, t: torch.Tensor) -> None:
         if t.device == self.device:
@@ -411,7 +476,7 @@ def _note_optimizer_step(ref: weakref.ref, optimizer: object, args: object, kwar
     """Global optimizer-step hook of one manager (weakly held): an optimizer step after the
     manager stashed is a step boundary, after which reset() must come before the next stash."""
     manager = ref()
-    if manager is not None and manager._stashes:
+    if manager is not None and (manager._stashes or manager._skipped):
         manager._stepped_since_reset = True
 
 

@@ -5,6 +5,15 @@ how it comes back in backward.
 * later steps: a :class:`_Paged` handle, its rows copied into pages (``stash_copy``) on the
   pack stream, popped back (``stash_pop``) on first unpack, on the unpack stream, with the
   reload look-ahead prefetching earlier scopes' tensors (:class:`_Group`).
+
+With ``skip_immediate_backward`` the capture step also learns which scopes are *immediate*:
+scopes whose tensors are the first popped after the scope opened, before any other scope
+opened (the last MoE layer of a plain step; under 1F1B, the last stage's last layer of every
+microbatch; every layer of a full recompute). Scopes are named by the order they open in a
+step, a host counter. In later steps an immediate scope's tensors stay as they are
+(:class:`_Kept`): the copy into pages and the copy straight back are skipped, and the pools are
+sized without them (:meth:`Packing._replay_capture`). A step whose order differs from the
+capture step's warns once: the kept tensors are then held at their static size for longer.
 """
 
 from __future__ import annotations
@@ -49,6 +58,8 @@ class _Scope:
     num_tokens: torch.Tensor
     avg_num_tokens: int
     layer: int | None  # names the NVTX ranges of the tensors paged in this scope
+    index: int = 0  # the scope's place in the step's order of scopes (skip_immediate_backward)
+    skip: bool = False  # an immediate scope in a paged step: its tensors are kept, not paged
     group: _Group | None = None  # with stream overlap: the look-ahead's view of this scope
     #: (storage, offset, shape, strides, dtype) -> (weak reference, version, handle) of what
     #: this scope paged: bytes two ops save (torchtitan's experts feed one input to two
@@ -61,13 +72,23 @@ class _Captured:
 
     __slots__ = (
         "balanced", "dtype", "generation", "key", "max_rows", "reloaded", "rows", "rows_RH",
-        "shape",
+        "scope_index", "shape",
     )  # fmt: skip
 
     def __init__(self, **kw: object) -> None:
         self.reloaded: torch.Tensor | None = None
         for k, v in kw.items():
             setattr(self, k, v)
+
+
+class _Kept:
+    """Handle of a tensor an immediate scope keeps unpaged (``skip_immediate_backward``)."""
+
+    __slots__ = ("scope_index", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, scope_index: int) -> None:
+        self.tensor = tensor
+        self.scope_index = scope_index
 
 
 class _Paged:
@@ -136,8 +157,13 @@ class Packing:
 
     def _pack_new(self, t: torch.Tensor, kind: MarkerKind, scope: _Scope) -> object:
         key, max_rows = self._layout(t, kind, scope)
-        rows_RH = t.contiguous().view(max_rows, key.hidden).view(storage_dtype(t.dtype))
         self._check_step_boundary()
+        if scope.skip:  # its backward comes first: nothing to gain from pages
+            self._skipped += 1
+            if self._pending is None:
+                self._pending = (scope.index, scope.layer)
+            return _Kept(t, scope.index)
+        rows_RH = t.contiguous().view(max_rows, key.hidden).view(storage_dtype(t.dtype))
         self._stashes += 1
         if self.mode is StashMode.CAPTURE:
             return self._capture_pack(t, key, kind, max_rows, rows_RH, scope)
@@ -228,18 +254,6 @@ class Packing:
             rows = min(max(rows, 0), max_rows)
         self._capture_bytes += rows * key.hidden * rows_RH.element_size()
         balanced = min(max_rows, -(-scope.avg_num_tokens // kind.tokens_per_row))
-        peak = self._peaks.setdefault(key, _Peak())
-        peak.live_rows += rows
-        peak.live_pages += -(-rows // self.page_size)
-        peak.live_balanced += balanced
-        peak.live_balanced_pages += -(-balanced // self.page_size)
-        peak.peak_rows = max(peak.peak_rows, peak.live_rows)
-        peak.peak_pages = max(peak.peak_pages, peak.live_pages)
-        peak.peak_balanced = max(peak.peak_balanced, peak.live_balanced)
-        peak.peak_balanced_pages = max(peak.peak_balanced_pages, peak.live_balanced_pages)
-        peak.live_static_pages += -(-max_rows // self.page_size)
-        peak.peak_static_pages = max(peak.peak_static_pages, peak.live_static_pages)
-        peak.max_rows = max(peak.max_rows, max_rows)
         handle = _Captured(
             key=key,
             max_rows=max_rows,
@@ -249,8 +263,65 @@ class Packing:
             dtype=t.dtype,
             balanced=balanced,
             generation=self._generation,
+            scope_index=scope.index,
         )
+        self._count_captured(handle, 1)
         return handle
+
+    def _count_captured(self, h: _Captured, sign: int) -> None:
+        """Add (``sign`` 1) or take away (-1) a captured tensor from its key's live counts and
+        raise the peaks; a tensor of a scope found immediate counts in the every-tensor
+        balanced peak only (the pools never hold it)."""
+        peak = self._peaks.setdefault(h.key, _Peak())
+        peak.max_rows = max(peak.max_rows, h.max_rows)
+        peak.live_balanced_all += sign * h.balanced
+        peak.peak_balanced_all = max(peak.peak_balanced_all, peak.live_balanced_all)
+        if self.skip_immediate_backward:
+            self._capture_log.append((h, sign))
+        if h.scope_index not in self._immediate:
+            self._count_pooled(peak, h, sign)
+
+    def _count_pooled(self, peak: _Peak, h: _Captured, sign: int) -> None:
+        peak.live_rows += sign * h.rows
+        peak.live_pages += sign * -(-h.rows // self.page_size)
+        peak.live_balanced += sign * h.balanced
+        peak.live_balanced_pages += sign * -(-h.balanced // self.page_size)
+        peak.live_static_pages += sign * -(-h.max_rows // self.page_size)
+        peak.peak_rows = max(peak.peak_rows, peak.live_rows)
+        peak.peak_pages = max(peak.peak_pages, peak.live_pages)
+        peak.peak_balanced = max(peak.peak_balanced, peak.live_balanced)
+        peak.peak_balanced_pages = max(peak.peak_balanced_pages, peak.live_balanced_pages)
+        peak.peak_static_pages = max(peak.peak_static_pages, peak.live_static_pages)
+
+    def _replay_capture(self) -> None:
+        """Recount the capture step's pool peaks so far without the immediate scopes' tensors:
+        replaying its stashes and pops in order, as the pools will see them."""
+        self._peaks = {
+            key: _Peak(
+                max_rows=p.max_rows,
+                live_balanced_all=p.live_balanced_all,
+                peak_balanced_all=p.peak_balanced_all,
+            )
+            for key, p in self._peaks.items()
+        }
+        for h, sign in self._capture_log:
+            if h.scope_index not in self._immediate:
+                self._count_pooled(self._peaks[h.key], h, sign)
+
+    def _first_pop(self, scope_index: int | None) -> None:
+        """Backward's first use of a tensor of scope ``scope_index`` (None: a paged tensor, in
+        a step that pages): the capture step learns which scope is immediate; a paged step
+        checks that the scope it kept is popped before any other."""
+        if self._pending is None:
+            return
+        pending, layer = self._pending
+        self._pending = None
+        if self.mode is StashMode.CAPTURE:
+            if scope_index == pending:
+                self._immediate.add(pending)
+                self._replay_capture()
+        elif scope_index != pending:
+            self._warn_skip_missed(layer)
 
     def _unpack(self, handle: object) -> torch.Tensor:
         if isinstance(handle, (_Paged, _Captured)) and handle.reloaded is None:
@@ -260,6 +331,11 @@ class Packing:
                     "which handed its pages out again: it cannot be reloaded. Call reset() at "
                     "step boundaries only, after every backward of the step (the runners do)"
                 )
+        if isinstance(handle, _Kept):
+            self._first_pop(handle.scope_index)
+            return handle.tensor
+        if isinstance(handle, _Paged):
+            self._first_pop(None)
         if isinstance(handle, _Paged) and self._streams.overlap:
             return self._unpack_on_side(handle)
         if isinstance(handle, _Paged):
@@ -289,12 +365,8 @@ class Packing:
                 out_RH[: handle.rows].copy_(handle.rows_RH)
                 if self.zero_padding:
                     out_RH[handle.rows :].zero_()
-                peak = self._peaks[handle.key]
-                peak.live_rows -= handle.rows
-                peak.live_pages -= -(-handle.rows // self.page_size)
-                peak.live_balanced -= handle.balanced
-                peak.live_balanced_pages -= -(-handle.balanced // self.page_size)
-                peak.live_static_pages -= -(-handle.max_rows // self.page_size)
+                self._first_pop(handle.scope_index)
+                self._count_captured(handle, -1)
                 handle.rows_RH = None
                 handle.reloaded = out_RH.view(handle.dtype).view(handle.shape)
                 self._pops += 1

@@ -48,6 +48,15 @@ class _Peak:
     max_rows: int = 0  # the largest static buffer (rows) of any tensor of the key
     live_static_pages: int = 0  # each live tensor's static rows (its whole buffer) in pages
     peak_static_pages: int = 0  # a pool this large saves nothing over not stashing
+    # The balanced peak of every marked tensor, those skip_immediate_backward keeps unpaged
+    # included (the fields above leave them out: the pools never hold them): S, the bytes
+    # the memory model prices (te_paged.tools.ab), counts every stashed layer.
+    live_balanced_all: int = 0
+    peak_balanced_all: int = 0
+
+    def clear_live(self) -> None:
+        self.live_rows = self.live_pages = self.live_balanced = self.live_balanced_pages = 0
+        self.live_static_pages = self.live_balanced_all = 0
 
 
 class PoolAllocation:

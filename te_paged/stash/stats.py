@@ -28,6 +28,7 @@ class StashStats:
     mode: StashMode
     stashes: int
     pops: int
+    stashes_skipped: int  # tensors kept unpaged: their backward came first (skip_immediate_…)
     bytes_stashed: int
     tensors_spilled: int
     overflow: bool
@@ -40,7 +41,7 @@ class StashStats:
     pool_bytes: int
     host_pool_bytes: int
     capture_peak_rows: dict[str, int]
-    capture_peak_balanced_rows: dict[str, int]
+    capture_peak_balanced_rows: dict[str, int]  # every marked tensor, kept ones too: S
     capture_peak_balanced_pages: dict[str, int]
     capture_peak_pages: dict[str, int]  # observed: the real rows in whole pages
     capture_peak_static_pages: dict[str, int]  # every tensor at its static rows: no saving
@@ -83,6 +84,7 @@ class StashReporting:
             mode=self.mode,
             stashes=self._stashes,
             pops=self._pops,
+            stashes_skipped=self._skipped,
             bytes_stashed=bytes_stashed,
             tensors_spilled=spilled,
             overflow=flags[Flag.OVERFLOW] > 0,
@@ -95,7 +97,9 @@ class StashReporting:
             pool_bytes=sum(b.pool_bytes for b in self.buffers.values()),
             host_pool_bytes=sum(b.host_pool_bytes for b in self.buffers.values()),
             capture_peak_rows={str(k): p.peak_rows for k, p in self._peaks.items()},
-            capture_peak_balanced_rows={str(k): p.peak_balanced for k, p in self._peaks.items()},
+            capture_peak_balanced_rows={
+                str(k): p.peak_balanced_all for k, p in self._peaks.items()
+            },
             capture_peak_balanced_pages={
                 str(k): p.peak_balanced_pages for k, p in self._peaks.items()
             },

@@ -69,6 +69,7 @@ class StepResult:
     #: routing would have sent (te_paged.moe.dispatcher, "Bytes on the wire").
     bytes_sent: int = 0
     dropless_bytes: int = 0
+    stashes_skipped: int = 0  # this rank's tensors kept unpaged in attempt 1 (backward came first)
 
 
 @dataclasses.dataclass
@@ -91,6 +92,7 @@ class RankResult:
     stage: int = 0  # the rank's pipeline stage (megatron engine; 0 without pipelining)
     #: Layers of static-size reloads live at the peak: 1, or 1 + the look-ahead with streams.
     reload_layers: int = 1
+    stashes_skipped: int = 0  # at the measured step: tensors kept unpaged (backward came first)
 
 
 @dataclasses.dataclass
@@ -300,6 +302,7 @@ def step_result(
         sum(s.pops for s in stats),
         record.bytes_sent,
         dropless,
+        sum(s.stashes_skipped for s in stats),
     )
 
 
@@ -428,6 +431,7 @@ def rank_result(
         routing,
         step,
         reload_layers=reload_layers,
+        stashes_skipped=at.stashes_skipped,
     )
 
 
@@ -544,7 +548,12 @@ def format_table(result: ABResult) -> str:
             "",
         ]
     rows += [
-        f"stashes/pops (rank {r0.rank}, step {counted}): {r0.stashes}/{r0.pops}; "
-        f"ON and OFF {'bitwise equal' if result.equal else 'DIFFER'}.",
+        f"stashes/pops (rank {r0.rank}, step {counted}): {r0.stashes}/{r0.pops}"
+        + (
+            f", {r0.stashes_skipped} kept unpaged (their backward came first)"
+            if r0.stashes_skipped
+            else ""
+        )
+        + f"; ON and OFF {'bitwise equal' if result.equal else 'DIFFER'}.",
     ]
     return "\n".join(rows)

@@ -209,6 +209,7 @@ def _paged_stash_fields(cfg: MegatronModelConfig, paged: bool) -> dict[str, obje
         "moe_paged_stash_buffer_size_factor_cuda": cfg.buffer_factor_cuda,
         "moe_paged_stash_buffer_size_factor_cpu": cfg.buffer_factor_cpu,
         "moe_paged_stash_kernel_backend": cfg.kernel_backend,
+        "moe_paged_stash_skip_immediate_backward": cfg.skip_immediate_backward,
         "use_transformer_engine_op_fuser": cfg.op_fuser,
     }
 

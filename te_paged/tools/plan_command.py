@@ -139,6 +139,11 @@ def _run_model(args: argparse.Namespace) -> int:
         f"{', ring of experts' if args.ring_of_experts else ''}"
     )
     effective = s["worst_case_rows"] / s["balanced_rows"]
+    kept = (
+        ", less the last layer: its backward comes first, its tensors stay unpaged"
+        if not args.ring_of_experts
+        else ""
+    )
     why = (
         f"= EP: each rank's buffer holds all {args.ep} ranks' tokens"
         if args.ring_of_experts
@@ -153,8 +158,8 @@ def _run_model(args: argparse.Namespace) -> int:
     )
     print(
         f"  expert MLP saved activations: static {_gib(s['mlp_saved_bytes_static'])}, "
-        f"pool ({args.buffer_factor_cuda} x S) {_gib(s['mlp_saved_bytes_pool'])}, S "
-        f"{_gib(s['S_bytes'])}; predicted saving (cf - bf) x S "
+        f"pool ({args.buffer_factor_cuda} x S{kept}) {_gib(s['mlp_saved_bytes_pool'])}, S "
+        f"{_gib(s['S_bytes'])}; predicted saving (cf - bf) x S, bf the pool over S "
         f"{_gib(s['predicted_saving_bytes'])}; at the step's peak, with one layer "
         f"reloaded at static size, (cf - bf - cf/L) x S {_gib(s['peak_saving_bytes'])}"
     )
@@ -198,14 +203,15 @@ def _print_stages(args: argparse.Namespace, cfg, sizes: dict[str, float], layers
         f"{pipeline.schedule.value}); one paged-stash manager per stage:"
     )
     keys = list(stages[0].pool_pages)
-    head = ["stage", "in flight", *(["chunk peaks"] if interleaved else []), "layers", *keys]
+    head = ["stage", "in flight", *(["chunk peaks"] if interleaved else []), "layers", "pooled"]
+    head += keys
     head += ["pool MiB", "OFF MiB", "saving MiB", "at peak MiB"]
     rows = []
     for st in stages:
         row = [str(st.stage), str(st.in_flight.peak)]
         if interleaved:
             row.append(" ".join(map(str, st.in_flight.chunk_peaks)))
-        row.append(str(st.live_layers))
+        row += [str(st.live_layers), str(st.pooled_layers)]
         row += [f"{st.pool_pages[k]:,}" for k in keys]
         row += [_mib(st.total_pool_bytes), _mib(st.static_bytes), _mib(st.saving_bytes),
                 _mib(st.peak_saving_bytes)]  # fmt: skip
@@ -217,10 +223,13 @@ def _print_stages(args: argparse.Namespace, cfg, sizes: dict[str, float], layers
     chunk_note = "; chunk peaks: each model chunk's own peak" if interleaved else ""
     print(
         f"  in flight: {unit} forwarded and not yet backwarded at the stage's peak{chunk_note}; "
-        f"layers: the (layer, microbatch) activations live then; per key, the pool pages its "
+        f"layers: the (layer, microbatch) activations live then; pooled: those in the pool, "
+        f"less a last layer whose backward comes next (skip_immediate_backward keeps it "
+        f"unpaged); per key, the pool pages its "
         f"manager sizes from the capture step, ceil({args.buffer_factor_cuda} x balanced pages of "
-        f"{args.page_size} rows); OFF: the same tensors static, cf x S; saving: (cf - bf) x S, "
-        f"at peak (cf - bf - cf/L) x S, L the live layers"
+        f"{args.page_size} rows) of the pooled layers; OFF: the same tensors static, cf x S; "
+        f"saving: (cf - bf) x S, at peak (cf - bf - cf/L) x S, L the live layers, bf the pool "
+        f"over S"
     )
 
 

@@ -267,6 +267,7 @@ def trainer_config(cfg: TorchtitanModelConfig, paged: bool, world: int, dump_fol
             moe_paged_stash_buffer_size_factor_cuda=cfg.buffer_factor_cuda,
             moe_paged_stash_buffer_size_factor_cpu=cfg.buffer_factor_cpu,
             moe_paged_stash_kernel_backend=cfg.kernel_backend,
+            moe_paged_stash_skip_immediate_backward=cfg.skip_immediate_backward,
             grow_pool=cfg.grow_pool,
             grow_capacity=cfg.grow_capacity,
             max_consecutive_fallbacks=cfg.max_consecutive_fallbacks,

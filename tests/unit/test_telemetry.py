@@ -87,6 +87,7 @@ def test_moe_layer_marks_dispatch_experts_combine_stash_and_pop(monkeypatch, lay
             num_moe_experts=4,
             moe_expert_rank_capacity_factor=2.0,
             moe_paged_stash=True,
+            moe_paged_stash_skip_immediate_backward=False,  # one layer: it would be kept
         )
         manager = PagedStashManager.from_config(cfg)
         layer = MoELayer(cfg, None, manager, seed=0, layer_number=layer_number)

@@ -352,6 +352,7 @@ class MegatronLoopAdapter:
             record.a2a_capacity_factor = wire.a2a_capacity_factor
             record.pair_capacity = wire.pair_capacity
         record.bytes_sent = engine._bytes_sent()
+        record.stashes_skipped = sum(m.stashes_skipped for m in engine.managers)
         self._rerun.close()
         self._rerun = contextlib.ExitStack()
         self._record = None

@@ -22,6 +22,8 @@ def config(**kw) -> MoEConfig:
         "moe_router_topk": K,
         "moe_expert_rank_capacity_factor": 2.0,
         "moe_paged_stash_page_size": 8,
+        # One layer: its backward comes first, so the default would keep its tensors unpaged.
+        "moe_paged_stash_skip_immediate_backward": False,
     }
     return MoEConfig(**{**base, **kw})
 

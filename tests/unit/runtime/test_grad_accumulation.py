@@ -22,12 +22,19 @@ ORDERS = {
                     ("B", 3)],
 }  # fmt: skip
 IN_FLIGHT = {"all_forward_then_backward": 4, "interleaved": 2}
+# Layers skip_immediate_backward keeps out of the pool at the peak: the last microbatch's last
+# layer when its backward comes first; under the interleaved order no forward is followed by
+# its own backward.
+KEPT = {"all_forward_then_backward": 1, "interleaved": 0}
+LAYERS = 2
 
 
-def _model(paged: bool, buffer_factor: float = 1.2) -> tuple[ModelConfig, ToyMoEModel]:
+def _model(
+    paged: bool, buffer_factor: float = 1.2, skip: bool = True
+) -> tuple[ModelConfig, ToyMoEModel]:
     cfg = ModelConfig(
-        layers=2, experts=4, topk=2, hidden=16, ffn=32, tokens=24, page_size=4,
-        buffer_factor_cuda=buffer_factor, steps=3,
+        layers=LAYERS, experts=4, topk=2, hidden=16, ffn=32, tokens=24, page_size=4,
+        buffer_factor_cuda=buffer_factor, steps=3, skip_immediate_backward=skip,
     )  # fmt: skip
     torch.manual_seed(0)
     return cfg, ToyMoEModel(cfg, paged=paged, group=None)
@@ -48,8 +55,10 @@ def _step_fn(cfg, model, step: int, order):
     return fn
 
 
-def _train(paged: bool, order, buffer_factor: float = 1.2, steps: int = 3, grow_pool=True):
-    cfg, model = _model(paged, buffer_factor)
+def _train(
+    paged: bool, order, buffer_factor: float = 1.2, steps: int = 3, grow_pool=True, skip=True
+):
+    cfg, model = _model(paged, buffer_factor, skip)
     runner = PagedStashRunner(
         model, model.manager, max_consecutive_fallbacks=steps, grow_pool=grow_pool
     )
@@ -64,9 +73,10 @@ def _train(paged: bool, order, buffer_factor: float = 1.2, steps: int = 3, grow_
     return out, model.manager
 
 
+@pytest.mark.parametrize("skip", [True, False], ids=["kept", "all-paged"])
 @pytest.mark.parametrize("order", list(ORDERS))
-def test_accumulated_microbatches_are_bitwise_and_paged(order) -> None:
-    on, manager = _train(True, ORDERS[order])
+def test_accumulated_microbatches_are_bitwise_and_paged(order, skip) -> None:
+    on, manager = _train(True, ORDERS[order], skip=skip)
     off, _ = _train(False, ORDERS[order])
     for (loss_on, grads_on, record), (loss_off, grads_off, _) in zip(on, off):
         assert record.attempt == 1 and record.enabled
@@ -74,11 +84,15 @@ def test_accumulated_microbatches_are_bitwise_and_paged(order) -> None:
         assert all(torch.equal(a, b) for a, b in zip(grads_on, grads_off))
     stats = manager.stats()
     assert stats.stashes == stats.pops > 0 and not stats.overflow
-    # The capture step's peak holds exactly the microbatches in flight at once.
-    _, single = _train(True, [("F", 0), ("B", 0)], steps=1)
-    per_mb = single.stats().capture_peak_balanced_pages
+    kept = KEPT[order] if skip else 0
+    assert stats.stashes_skipped == 4 * kept  # four tensors a layer
+    # The capture step's peak holds exactly the microbatches in flight at once, less the
+    # layer kept unpaged.
+    _, single = _train(True, [("F", 0), ("B", 0)], steps=1, skip=False)
+    per_layer = {k: v // LAYERS for k, v in single.stats().capture_peak_balanced_pages.items()}
     peak = stats.capture_peak_balanced_pages
-    assert peak == {k: IN_FLIGHT[order] * v for k, v in per_mb.items()}, (peak, per_mb)
+    layers = IN_FLIGHT[order] * LAYERS - kept
+    assert peak == {k: layers * v for k, v in per_layer.items()}, (peak, per_layer)
 
 
 @pytest.mark.parametrize("grow_pool", [False, True])

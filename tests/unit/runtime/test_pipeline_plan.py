@@ -44,7 +44,7 @@ def test_hand_worked_1f1b_stage_pools() -> None:
     saved = expert_mlp_saved_tensors(8, 16, itemsize=4)  # rows of 32, 128, 4 and 64 bytes
     stages = pipeline_pool_plan(
         pipeline_parallel=2, microbatches=4, num_layers=4, balanced_rows=100, saved=saved,
-        page_size=64, buffer_factor=1.1, capacity_factor=2.0,
+        page_size=64, buffer_factor=1.1, capacity_factor=2.0, skip_immediate_backward=False,
     )  # fmt: skip
     s0, s1 = stages
     assert (s0.in_flight.peak, s0.live_layers, s1.in_flight.peak, s1.live_layers) == (2, 4, 1, 2)
@@ -59,6 +59,17 @@ def test_hand_worked_1f1b_stage_pools() -> None:
     assert s0.peak_saving_bytes == pytest.approx((2.0 - 1.1 - 2.0 / 4) * s0.s_bytes)
     d = s0.to_dict()
     assert (d["in_flight"], d["chunk_peaks"], d["total_pool_bytes"]) == (2, [2], 9 * 64 * 228)
+    # skip_immediate_backward: stage 1, the last, runs F(m) B(m), so each microbatch's last
+    # layer is popped first and stays out of the pool: 1 layer, 2 pages, pool ceil(2.2) = 3.
+    # Stage 0's forwards are followed by another microbatch's backward: nothing kept.
+    k0, k1 = pipeline_pool_plan(
+        pipeline_parallel=2, microbatches=4, num_layers=4, balanced_rows=100, saved=saved,
+        page_size=64, buffer_factor=1.1, capacity_factor=2.0,
+    )  # fmt: skip
+    assert (k0.pooled_layers, k1.pooled_layers, k1.live_layers) == (4, 1, 2)
+    assert k0.pool_pages == s0.pool_pages and set(k1.pool_pages.values()) == {3}
+    assert k1.s_bytes == s1.s_bytes  # S counts the kept layer: the model prices every layer
+    assert k1.peak_saving_bytes == pytest.approx((2.0 - 1.1 / 2 - 2.0 / 2) * k1.s_bytes)
 
 
 def test_interleaved_stage_pools_and_shared_keys() -> None:
@@ -83,7 +94,7 @@ def test_page_rounding_and_the_managers_float_ceiling() -> None:
     one_key = [SavedTensor("float32x4", 16)]
     (stage,) = pipeline_pool_plan(
         pipeline_parallel=1, microbatches=3, num_layers=50, balanced_rows=1, saved=one_key,
-        page_size=64, buffer_factor=1.1,
+        page_size=64, buffer_factor=1.1, skip_immediate_backward=False,
     )  # fmt: skip
     assert stage.peak_balanced_pages == {"float32x4": 50}
     assert stage.pool_pages == {"float32x4": math.ceil(1.1 * 50)} == {"float32x4": 56}
@@ -91,7 +102,7 @@ def test_page_rounding_and_the_managers_float_ceiling() -> None:
     scales = [SavedTensor("float8_e8m0fnux2", 2, tokens_per_row=32)]
     (stage,) = pipeline_pool_plan(
         pipeline_parallel=1, microbatches=1, num_layers=3, balanced_rows=100, saved=scales,
-        page_size=4, buffer_factor=1.0,
+        page_size=4, buffer_factor=1.0, skip_immediate_backward=False,
     )  # fmt: skip
     assert stage.peak_balanced_pages == {"float8_e8m0fnux2": 3}
 
@@ -160,7 +171,7 @@ def _run_stage(pipeline: PipelineConfig, rank: int, cfg) -> tuple[dict, dict, di
             else:
                 live.pop((p.microbatch, p.chunk)).square().sum().backward()
         stats = manager.stats()
-        assert not live and stats.stashes == stats.pops > 0 and not stats.overflow
+        assert not live and stats.stashes == stats.pops and not stats.overflow
         if peaks is None:
             peaks = stats.capture_peak_balanced_pages
     return peaks, stats.pool_pages, stats.pages_high_water
@@ -171,19 +182,29 @@ def _run_stage(pipeline: PipelineConfig, rank: int, cfg) -> tuple[dict, dict, di
     [(2, 3, None), (3, 4, None), (2, 4, 2), (2, 4, 1)],
     ids=["1f1b-p2m3", "1f1b-p3m4", "interleaved-p2v2m4", "interleaved-p2v1m4"],
 )
+@pytest.mark.parametrize("skip", [True, False], ids=["kept", "all-paged"])
 def test_a_real_manager_through_each_stages_schedule_sizes_the_planned_pool(
-    stages, microbatches, virtual
+    stages, microbatches, virtual, skip
 ) -> None:
     # The harness's experts: 64 static rows, capacity factor 2 (32 balanced), pages of 8 rows:
-    # 4 pages per tensor; 30 and 29 actual rows also take 4. Buffer factor 1.1.
-    cfg = config(moe_paged_stash=True, moe_paged_stash_buffer_size_factor_cuda=1.1)
+    # 4 pages per tensor; 30 and 29 actual rows also take 4. Buffer factor 1.1. With skip, the
+    # manager learns from the schedule which forwards' backward comes next; the plan from
+    # pass_order: both must keep the same layers out of the pool.
+    cfg = config(
+        moe_paged_stash=True,
+        moe_paged_stash_buffer_size_factor_cuda=1.1,
+        moe_paged_stash_skip_immediate_backward=skip,
+    )
     pipeline = PipelineConfig(stages, microbatches, virtual)
     plan = pipeline_pool_plan(
         pipeline_parallel=stages, microbatches=microbatches, virtual_stages=virtual,
         num_layers=stages * pipeline.chunks * LAYERS_PER_CHUNK, balanced_rows=32,
         saved=expert_mlp_saved_tensors(cfg.hidden_size, cfg.moe_ffn_hidden_size, itemsize=4),
         page_size=cfg.moe_paged_stash_page_size, buffer_factor=1.1, capacity_factor=2.0,
+        skip_immediate_backward=skip,
     )  # fmt: skip
+    if skip and virtual is None:  # 1F1B: the last stage keeps a layer of each microbatch
+        assert plan[-1].pooled_layers < plan[-1].live_layers
     for rank, stage in enumerate(plan):
         peaks, pools, high_water = _run_stage(pipeline, rank, cfg)
         assert peaks == stage.peak_balanced_pages, rank

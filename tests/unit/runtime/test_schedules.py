@@ -46,7 +46,14 @@ def test_1f1b_peak_is_min_of_stages_less_rank_and_microbatches(stages, microbatc
     pipeline = PipelineConfig(stages, microbatches)
     for rank in range(stages):
         expected = 1 if stages == 1 else min(stages - rank, microbatches)
-        assert in_flight(pipeline, rank) == InFlight(expected, (expected,)), (rank, pipeline)
+        # The last stage runs F(m) B(m): every forward's own backward comes next (immediate);
+        # an earlier stage's forwards are followed by another microbatch's backward, unless
+        # there is only one microbatch.
+        immediate = rank == stages - 1 or microbatches == 1
+        peaks = (expected, 0) if immediate else (0, expected)
+        flight = in_flight(pipeline, rank)
+        assert flight == InFlight(expected, (expected,), *peaks), (rank, pipeline)
+        assert flight.pooled_layers(3, True) == 3 * expected - immediate
         order = pass_order(pipeline, rank)
         assert [p.microbatch for p in order if p.forward] == list(range(microbatches))
         assert [p.microbatch for p in order if not p.forward] == list(range(microbatches))
@@ -72,12 +79,14 @@ def test_hand_worked_interleaved() -> None:
         "F(0,c0) F(1,c0) F(0,c1) F(1,c1) F(2,c0) B(0,c1) F(3,c0) B(1,c1) F(2,c1) B(0,c0) "
         "F(3,c1) B(1,c0) B(2,c1) B(3,c1) B(2,c0) B(3,c0)"
     )
-    assert in_flight(pipeline, 0) == InFlight(5, (4, 2))
+    assert in_flight(pipeline, 0) == InFlight(5, (4, 2), 0, 5)  # no forward's backward is next
     assert _order(pipeline, 1) == (
         "F(0,c0) F(1,c0) F(0,c1) B(0,c1) F(1,c1) B(1,c1) F(2,c0) B(0,c0) F(3,c0) B(1,c0) "
         "F(2,c1) B(2,c1) F(3,c1) B(3,c1) B(2,c0) B(3,c0)"
     )
-    assert in_flight(pipeline, 1) == InFlight(3, (3, 1))
+    # F(0,c1) B(0,c1) and F(1,c1) B(1,c1) are immediate at 3 in flight; F(2,c0) is not, at 3
+    assert in_flight(pipeline, 1) == InFlight(3, (3, 1), 3, 3)
+    assert in_flight(pipeline, 1).pooled_layers(2, True) == 6  # a kept layer does not lower it
     # ModelParallelConfig's docstring: PP 2, VP 2, group 3, M 5 runs microbatches
     # "0 1 2 0 1 2 3 4 3 4" (chunks 0 0 0 1 1 1 0 0 1 1).
     table = schedule_table(5, 2, 3)
