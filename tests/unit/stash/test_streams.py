@@ -124,6 +124,25 @@ def test_side_streams_are_bitwise_and_hazard_free(schedule, lookahead, lazy) -> 
     assert manager.stats().pops == 0  # reset after the last step
 
 
+# Layers whose backward follows their forward at once, per step: each microbatch's last layer
+# when run in turn, the last forwarded one's when all forwards come first, none under 1F1B
+# (every forward is followed by another microbatch's backward or forward).
+KEPT = {"sequential": 3, "accumulate": 1, "1f1b": 0}
+
+
+@pytest.mark.parametrize("schedule", list(KEPT))
+def test_side_streams_with_the_last_layer_kept(schedule) -> None:
+    fake = RecordingStreams()
+    manager = _manager(fake, 1)
+    manager.skip_immediate_backward = True  # before the capture step
+    on = _run(manager, schedule)
+    assert _equal(on, _run(None, schedule))
+    assert fake.hazards() == []
+    launches = [op.name for op in fake.program if op.kind == "launch"]
+    paged = 2 * (3 * LAYERS - KEPT[schedule])  # 2 captured steps
+    assert launches.count("stash") == launches.count("pop") == paged
+
+
 def _lookahead_program(lookahead: int) -> list[tuple[str, str]]:
     fake = RecordingStreams()
     manager = _manager(fake, lookahead)
