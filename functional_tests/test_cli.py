@@ -241,11 +241,16 @@ def test_plan_prints_the_in_flight_peak_and_pool_of_each_pipeline_stage(capsys) 
     first = "pipeline: 2 stages, 8 microbatches, 1F1B, 29 MoE layers per stage (Megatron-core "
     assert lines[0].startswith(first + "forward_backward_pipelining_without_interleaving)")
     head, *rows = (line.split() for line in lines[1:4])
-    assert head[:4] == ["stage", "in", "flight", "layers"] and "bfloat16x7168" in head
+    assert head[:5] == ["stage", "in", "flight", "layers", "pooled"] and "bfloat16x7168" in head
     # stage 0 holds min(2 - 0, 8) = 2 microbatches of 29 layers, stage 1 one; 32,768 balanced
     # rows are 512 pages a tensor: ceil(1.1 x 58 x 512) = 32,666 pages per key
-    assert rows[0][:6] == ["0", "2", "58", "32,666", "32,666", "32,666"]
-    assert rows[1][:3] == ["1", "1", "29"] and rows[1][3] == "16,333"
+    assert rows[0][:7] == ["0", "2", "58", "58", "32,666", "32,666", "32,666"]
+    assert rows[1][:4] == ["1", "1", "29", "29"] and rows[1][4] == "16,333"
+    # the last stage's last layer kept unpaged: 28 layers pooled, ceil(1.1 x 28 x 512) pages
+    kept = plan(capsys, *model, "--pipeline-parallel", "2", "--microbatches", "8",
+                "--skip-immediate-backward")  # fmt: skip
+    kept_rows = [line.split() for line in kept.stdout.split("per stage:\n")[1].splitlines()[1:3]]
+    assert kept_rows[0][3] == "58" and kept_rows[1][3:5] == ["28", "15,770"]
     assert lines[4].startswith("  in flight: microbatches forwarded and not yet backwarded")
     # interleaved, by Megatron's names: P 4, V 2, M 8, 56 layers in chunks of 7; stage 0 warms
     # up with 2 x 3 + 1 x 4 = 10 passes and peaks at 11 microbatch-chunks, 77 layers

@@ -159,8 +159,8 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
     )
     g.add_argument(
         "--fp8",
-        choices=["tensorwise", "mxfp8"],
-        help="FP8 storage of saved inputs (default: none"
+        choices=["tensorwise", "mxfp8", "nvfp4"],
+        help="FP8 (or NVFP4, 4.5 bits an element) storage of saved inputs (default: none"
         + ("; not with the megatron engine)" if engines else ")"),
     )
     g.add_argument("--recompute", action="store_true", help="selective recompute of moe_act")
@@ -421,6 +421,12 @@ def _plan_parser(sub, common: argparse.ArgumentParser) -> None:
         "--ffn", type=integer(1), help="expert FFN size, for the memory of each choice"
     )
     named = plan.add_argument_group("with --model")
+    named.add_argument(
+        "--skip-immediate-backward",
+        action=argparse.BooleanOptionalAction,
+        help="moe_paged_stash_skip_immediate_backward: the last layer, whose backward comes "
+        "first, stays out of the pool (not with --ring-of-experts; default: off)",
+    )
     named.add_argument(
         "--seq-length", type=integer(1), help=f"sequence length ({md['seq_length']})"
     )

@@ -44,7 +44,7 @@ from te_paged.grouped.activations import (
     activation_for_function,
     get_activation,
 )
-from te_paged.grouped.fp8 import Fp8Recipe
+from te_paged.grouped.fp8 import NVFP4_BLOCK, Fp8Recipe
 from te_paged.kernels.backends import backend_choices
 from te_paged.markers import MXFP8_SCALE_BLOCK
 
@@ -174,7 +174,7 @@ class MoEConfig:
     moe_paged_stash_kernel_backend: str = "auto"
     # Keep unpaged the tensors of the layer whose backward follows its forward at once
     # (PagedStashManager's skip_immediate_backward).
-    moe_paged_stash_skip_immediate_backward: bool = True
+    moe_paged_stash_skip_immediate_backward: bool = False
 
     def __post_init__(self) -> None:
         # Normalise what construction was given (frozen: through object.__setattr__, here only).
@@ -307,6 +307,13 @@ class MoEConfig:
             problems.append(
                 f"moe_mlp_glu_interleave_size must be None or a positive int; got {interleave!r}"
             )
+        if self.fp8 == Fp8Recipe.NVFP4.value:
+            for name in ("hidden_size", "moe_ffn_hidden_size"):
+                if getattr(self, name) % NVFP4_BLOCK != 0:
+                    problems.append(
+                        f"fp8='nvfp4' needs {name} to be a multiple of {NVFP4_BLOCK} (one e4m3 "
+                        f"scale per {NVFP4_BLOCK} elements of a row; got {getattr(self, name)})"
+                    )
         if self.fp8 == Fp8Recipe.MXFP8.value:
             for name in ("hidden_size", "moe_ffn_hidden_size"):
                 if getattr(self, name) % MXFP8_SCALE_BLOCK != 0:

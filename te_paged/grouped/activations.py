@@ -84,7 +84,7 @@ def save_inputs(ctx, x, probs, recipe, paged_stash, num_rows) -> tuple[torch.Ten
     fp8 = quantize(x_RC, recipe, num_rows)
     if paged_stash or is_grouped_tensor_marked(x):
         mark_fp8_saved(fp8)
-    ctx.save_for_backward(fp8.data, fp8.scale_inv, probs_R)
+    ctx.save_for_backward(*fp8.saved(), probs_R)
     return dequantize(fp8).to(ctx.compute_dtype), probs_R
 
 
@@ -95,8 +95,7 @@ def load_saved_inputs(ctx) -> tuple[torch.Tensor, torch.Tensor]:
     if ctx.recipe is None:
         x_RC, probs_R = ctx.saved_tensors
         return x_RC.to(ctx.compute_dtype), probs_R
-    data, scale_inv, probs_R = ctx.saved_tensors
-    fp8 = Fp8Tensor(data, scale_inv, ctx.recipe, ctx.x_dtype)
+    fp8, (probs_R,) = Fp8Tensor.from_saved(ctx.saved_tensors, ctx.recipe, ctx.x_dtype)
     return dequantize(fp8).to(ctx.compute_dtype), probs_R
 
 

@@ -1,4 +1,4 @@
-"""FP8 storage of saved activations: per-tensor current scaling and MXFP8.
+"""FP8 storage of saved activations: per-tensor current scaling and MXFP8; NVFP4 (4-bit).
 
 Shape suffixes: ``R`` rows (tokens; the static ``max_num_tokens``, actual rows a prefix),
 ``H`` hidden (elements per row), ``B = R / 32`` MXFP8 blocks along the token dimension.
@@ -28,7 +28,20 @@ Recipes
     values above 448 (up to 12.5 % error), which would break the error bound below. An all-zero
     block gets ``e = -127`` (byte 0x00); a block containing inf/NaN gets the e8m0 NaN (0xFF).
 
-Error bound (both recipes): e4m3 has 3 mantissa bits and rounds to nearest, so a value whose
+``NVFP4`` (Transformer Engine's 1×16 block scaling)
+    Two levels of scale: a float32 per-tensor ``global_scale = 448 · 6 / amax`` (``amax`` over
+    the real rows; 1 when 0 or not finite), and per 16 consecutive elements of a row an e4m3
+    block scale ``s = e4m3(amax_block / 6 · global_scale)``. Each element is
+    ``e2m1(x · global_scale / s)`` (the E2M1 grid ±{0, 0.5, 1, 1.5, 2, 3, 4, 6}, round to
+    nearest, ties to the even code, saturating at 6), two to a byte: element ``2i`` in the low
+    nibble, ``2i + 1`` in the high one (torch's ``float4_e2m1fn_x2`` order). ``data`` is
+    ``uint8 [R, H/2]``, ``scale_inv`` the block scales ``float8_e4m3fn [R, H/16]`` — one row per
+    token, so both page as ordinary token rows — and ``global_scale_inv = 1 / global_scale``
+    float32 ``[1]``, static, kept with the record. ``dequantize`` is ``e2m1 · s ·
+    global_scale_inv``. 4 + 8/16 = 4.5 bits an element. A block whose scale rounds to zero
+    stores zeros; its values were below e4m3's resolution of the tensor's range.
+
+Error bound (tensorwise and MXFP8): e4m3 has 3 mantissa bits and rounds to nearest, so a value whose
 scaled magnitude is normal (``>= 2^-6``) is stored with relative error ``<= 2^-4``; smaller
 scaled values (subnormals) have absolute error ``<= 2^-10`` in the scaled domain.
 
@@ -59,6 +72,9 @@ __all__ = [
 
 #: Largest finite ``float8_e4m3fn`` value (``1.75 · 2^8``).
 FP8_E4M3_MAX = 448.0
+#: Largest E2M1 (FP4) value, and the elements of a row an NVFP4 block scale covers.
+FP4_E2M1_MAX = 6.0
+NVFP4_BLOCK = 16
 
 _E8M0_BIAS = 127
 _E8M0_NAN = 255
@@ -69,26 +85,46 @@ class Fp8Recipe(str, enum.Enum):
 
     TENSORWISE = "tensorwise"  # per-tensor current scaling
     MXFP8 = "mxfp8"  # blocks of 32 elements with power-of-two scales
+    NVFP4 = "nvfp4"  # 4-bit E2M1, an e4m3 scale per 16 elements of a row, a float32 global scale
 
 
 @dataclasses.dataclass
 class Fp8Tensor:
     """FP8 bytes of a token-major tensor and the scale-inverse that restores it.
 
-    =============  ==============================  ==========================================
-    field          tensorwise                      MXFP8
-    =============  ==============================  ==========================================
-    ``data``       ``float8_e4m3fn [R, H]``        ``float8_e4m3fn [R, H]``
-    ``scale_inv``  ``float32 [1]`` (static)        ``float8_e8m0fnu [R/32, H]`` (token-major)
-    =============  ==============================  ==========================================
+    ============= ===================== ============================ =====================
+    field         tensorwise            MXFP8                        NVFP4
+    ============= ===================== ============================ =====================
+    ``data``      ``e4m3 [R, H]``       ``e4m3 [R, H]``              ``uint8 [R, H/2]``
+    ``scale_inv`` ``float32 [1]``       ``e8m0 [R/32, H]``           ``e4m3 [R, H/16]``
+    ============= ===================== ============================ =====================
 
-    ``dtype`` is the high-precision dtype the tensor had before quantisation.
+    (``e4m3``: ``float8_e4m3fn``, ``e8m0``: ``float8_e8m0fnu``; the tensorwise ``scale_inv``
+    is static.)
+
+    ``dtype`` is the high-precision dtype the tensor had before quantisation; NVFP4 adds the
+    static per-tensor ``global_scale_inv`` (float32 ``[1]``). :meth:`saved` is what a function
+    saves for backward, :meth:`from_saved` rebuilds the tensor from it.
     """
 
     data: torch.Tensor
     scale_inv: torch.Tensor
     recipe: Fp8Recipe
     dtype: torch.dtype
+    global_scale_inv: torch.Tensor | None = None
+
+    def saved(self) -> list[torch.Tensor]:
+        extra = [self.global_scale_inv] if self.recipe is Fp8Recipe.NVFP4 else []
+        return [self.data, self.scale_inv, *extra]
+
+    @classmethod
+    def from_saved(
+        cls, tensors: list[torch.Tensor], recipe: Fp8Recipe, dtype: torch.dtype
+    ) -> tuple[Fp8Tensor, list[torch.Tensor]]:
+        """The tensor :meth:`saved` gave, and the tensors after it."""
+        n = 3 if recipe is Fp8Recipe.NVFP4 else 2
+        extra = tensors[2] if n == 3 else None
+        return cls(tensors[0], tensors[1], recipe, dtype, extra), list(tensors[n:])
 
 
 def fp8_supported() -> tuple[bool, str]:
@@ -138,6 +174,11 @@ def quantize(
     if not x_RH.dtype.is_floating_point or x_RH.element_size() < 2:
         raise TypeError(f"quantize expects a high-precision float tensor, got {x_RH.dtype}")
     rows, hidden = x_RH.shape
+    if recipe is Fp8Recipe.NVFP4 and hidden % NVFP4_BLOCK:
+        raise ValueError(
+            f"NVFP4 scales blocks of {NVFP4_BLOCK} elements of a row, but x has {hidden} columns: "
+            f"use a hidden size that is a multiple of {NVFP4_BLOCK}"
+        )
     if recipe is Fp8Recipe.MXFP8 and rows % MXFP8_SCALE_BLOCK:
         raise ValueError(
             f"MXFP8 scales blocks of {MXFP8_SCALE_BLOCK} tokens, but x has {rows} rows: pad the "
@@ -158,6 +199,9 @@ def quantize(
         data_RH = _saturate_to_fp8(x_RH * scale)
         return Fp8Tensor(data_RH, scale.reciprocal().reshape(1), recipe, dtype)
 
+    if recipe is Fp8Recipe.NVFP4:
+        return _quantize_nvfp4(x_RH, dtype)
+
     x_BKH = x_RH.view(rows // MXFP8_SCALE_BLOCK, MXFP8_SCALE_BLOCK, hidden)
     amax_BH = x_BKH.abs().amax(dim=1)
     # Exact integer form of e = ceil(log2(amax / 448)): with amax = m·2^k (m in [0.5, 1)) and
@@ -174,9 +218,55 @@ def quantize(
     return Fp8Tensor(data_RH, scale_inv_BH, recipe, dtype)
 
 
+def _quantize_nvfp4(x_RH: torch.Tensor, dtype: torch.dtype) -> Fp8Tensor:
+    """NVFP4 of the float32 ``x_RH`` (padding rows already zero): see the module docstring."""
+    rows, hidden = x_RH.shape
+    amax = x_RH.abs().amax() if x_RH.numel() else x_RH.new_zeros(())
+    usable = (amax > 0) & torch.isfinite(amax)
+    g = torch.where(usable, FP8_E4M3_MAX * FP4_E2M1_MAX / amax, 1.0)
+    g = g.clamp(max=torch.finfo(torch.float32).max)
+    x_RBK = x_RH.view(rows, hidden // NVFP4_BLOCK, NVFP4_BLOCK)
+    s_RB = _saturate_to_fp8(x_RBK.abs().amax(dim=-1) / FP4_E2M1_MAX * g)
+    s = s_RB.float()
+    encode_RB = torch.where(s > 0, g / s, 0.0)
+    codes_RH = _e2m1_codes(x_RBK * encode_RB.unsqueeze(-1)).view(rows, hidden)
+    data_RH2 = codes_RH[:, 0::2] | (codes_RH[:, 1::2] << 4)
+    return Fp8Tensor(data_RH2, s_RB, Fp8Recipe.NVFP4, dtype, g.reciprocal().reshape(1))
+
+
+def _e2m1_codes(v: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes (``uint8``, sign in bit 3) of ``v``: round to nearest on the grid, ties to
+    the even code, saturating at 6 (NaN stores 0). Device arithmetic only, no table."""
+    a = torch.nan_to_num(v.abs(), nan=0.0).clamp(max=FP4_E2M1_MAX)
+    # The grid's steps are 0.5 below 2, 1 below 4, 2 up to 6; torch.round halves to even.
+    q = torch.where(a < 2, torch.round(a * 2) / 2,
+                    torch.where(a < 4, torch.round(a), torch.round(a / 2) * 2))  # fmt: skip
+    code = torch.where(q < 2, q * 2, torch.where(q < 4, q + 2, q / 2 + 4)).to(torch.uint8)
+    return code | (torch.signbit(v) & (code > 0)).to(torch.uint8) << 3
+
+
+def _e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """float32 values of E2M1 ``codes`` (``uint8`` 0–15)."""
+    e = ((codes >> 1) & 3).float()
+    m = (codes & 1).float()
+    value = torch.where(e == 0, 0.5 * m, torch.exp2(e - 1) * (1 + 0.5 * m))
+    return torch.where((codes & 8) > 0, -value, value)
+
+
 def dequantize(fp8: Fp8Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``data · scale_inv`` in float32, cast to ``dtype`` (default: the original dtype)."""
     dtype = fp8.dtype if dtype is None else dtype
+    if fp8.recipe is Fp8Recipe.NVFP4:
+        rows, half = fp8.data.shape
+        hidden = 2 * half
+        if fp8.scale_inv.shape != (rows, hidden // NVFP4_BLOCK) or fp8.global_scale_inv is None:
+            raise ValueError(f"NVFP4 scale_inv of shape {tuple(fp8.scale_inv.shape)} (global "
+                             f"{fp8.global_scale_inv is not None}) does not match data of shape "
+                             f"{(rows, half)}")  # fmt: skip
+        codes_RH = torch.stack((fp8.data & 15, fp8.data >> 4), dim=-1).view(rows, hidden)
+        v_RBK = _e2m1_values(codes_RH).view(rows, hidden // NVFP4_BLOCK, NVFP4_BLOCK)
+        v_RBK = v_RBK * fp8.scale_inv.float().unsqueeze(-1)
+        return (v_RBK.view(rows, hidden) * fp8.global_scale_inv.float()).to(dtype)
     data_RH = fp8.data.float()
     if fp8.recipe is Fp8Recipe.TENSORWISE:
         return (data_RH * fp8.scale_inv.float()).to(dtype)
@@ -192,8 +282,11 @@ def mark_fp8_saved(fp8: Fp8Tensor) -> None:
     """Mark the dynamic parts of ``fp8`` for the paged stash.
 
     ``data`` has one row per token; an MXFP8 ``scale_inv`` has one row per 32 tokens (marked with
-    ``scale_inv=True``). The tensorwise ``scale_inv`` is a static ``[1]`` and stays unmarked.
+    ``scale_inv=True``), an NVFP4 one one row per token. The tensorwise ``scale_inv`` and NVFP4's
+    ``global_scale_inv`` are static ``[1]`` and stay unmarked.
     """
     mark_grouped_tensor(fp8.data)
     if fp8.recipe is Fp8Recipe.MXFP8:
         mark_grouped_tensor(fp8.scale_inv, scale_inv=True)
+    elif fp8.recipe is Fp8Recipe.NVFP4:
+        mark_grouped_tensor(fp8.scale_inv)

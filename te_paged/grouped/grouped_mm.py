@@ -159,8 +159,9 @@ class GroupedLinearFn(torch.autograd.Function):
 
     * the input, only when some weight needs a gradient: ``x`` (``T·I·s`` bytes), marked for
       the paged stash (a fresh alias, so the caller's tensor object is left unmarked); with FP8
-      its ``data`` (``T·I`` bytes) and ``scale_inv`` (4 bytes tensorwise; ``T/32·I`` bytes MXFP8,
-      marked) instead. Inside a stash scope only the ``num_tokens`` real rows occupy the pool;
+      its ``data`` (``T·I`` bytes; ``T·I/2`` NVFP4) and ``scale_inv`` (4 bytes tensorwise;
+      ``T/32·I`` bytes MXFP8, ``T·I/16`` NVFP4 plus its 4-byte global scale; marked)
+      instead. Inside a stash scope only the ``num_tokens`` real rows occupy the pool;
     * ``offsets`` (``4·E`` bytes, static, unmarked);
     * the weights, only when ``x`` needs a gradient: references to the parameters (no copy
       unless ``forward`` had to cast them to the activation dtype).
@@ -208,7 +209,7 @@ class GroupedLinearFn(torch.autograd.Function):
         if any(ctx.need_wgrad):
             if fp8 is not None and not opts.save_original_input:
                 mark_fp8_saved(fp8)
-                saved += [fp8.data, fp8.scale_inv]
+                saved += fp8.saved()
             else:
                 x_saved = x_TI.detach()  # own alias: marking it leaves the caller's tensor alone
                 mark_grouped_tensor(x_saved)
@@ -234,8 +235,8 @@ class GroupedLinearFn(torch.autograd.Function):
             dy_k, k_offsets_E = align_groups(dy_TO, offsets_E, align)
         if any(ctx.need_wgrad):
             if ctx.recipe is not None and not ctx.opts.save_original_input:
-                data, scale_inv, *rest = rest
-                x_TI = dequantize(Fp8Tensor(data, scale_inv, ctx.recipe, ctx.x_dtype))
+                fp8, rest = Fp8Tensor.from_saved(rest, ctx.recipe, ctx.x_dtype)
+                x_TI = dequantize(fp8)
             else:
                 x_TI, *rest = rest
                 if ctx.recipe is not None:  # the original input: the forward's bytes again

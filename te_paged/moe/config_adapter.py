@@ -35,6 +35,15 @@ def _activation(func: object, gated: bool) -> str:
 
 
 def _fp8(config: object) -> str | None:
+    if getattr(config, "fp4", None) not in (None, False):  # Megatron's --fp4-format e2m1
+        recipe = getattr(config, "fp4_recipe", "nvfp4")
+        if recipe != "nvfp4" or getattr(config, "fp8", None) not in (None, False):
+            raise ValueError(
+                f"fp4={config.fp4!r} with fp4_recipe={recipe!r}, fp8="
+                f"{getattr(config, 'fp8', None)!r}: te_paged stores FP4 with the 'nvfp4' recipe "
+                "only, and not together with fp8"
+            )
+        return "nvfp4"
     if getattr(config, "fp8", None) in (None, False):
         return None
     recipe = getattr(config, "fp8_recipe", None)

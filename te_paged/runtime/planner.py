@@ -422,7 +422,7 @@ def named_sizes(
     layers: int | None = None,
     ring_of_experts: bool = False,
     itemsize: int = 2,
-    skip_immediate_backward: bool | None = None,
+    skip_immediate_backward: bool = False,
 ) -> dict[str, float]:
     """Sizes per rank, in bytes, for a model with no run.
 
@@ -431,9 +431,9 @@ def named_sizes(
     otherwise a rank's balanced load is ``batch·seq·k`` rows and its static buffer
     ``capacity_factor`` times that (Megatron's HybridEP budget).
 
-    ``skip_immediate_backward`` (default: on, as :class:`~te_paged.config.MoEConfig`'s, except
-    for the ring of experts, whose JAX port pages every layer) keeps the last layer, whose
-    backward comes first, out of the pool: it holds ``(L − 1)/L`` of ``buffer_factor × S``.
+    ``skip_immediate_backward`` (``moe_paged_stash_skip_immediate_backward``; not for the ring
+    of experts, whose JAX port pages every layer) keeps the last layer, whose backward comes
+    first, out of the pool: it holds ``(L − 1)/L`` of ``buffer_factor × S``.
     """
     from te_paged.runtime.memory import capacity_model_saving, reload_adjusted_saving
 
@@ -447,8 +447,6 @@ def named_sizes(
     row = cfg.hidden * itemsize  # one saved activation of width H, e.g. the FC2 output
     per_token = stashed_bytes_per_token(cfg.hidden, cfg.ffn, itemsize=itemsize)
     s_bytes = balanced * per_token * layers
-    if skip_immediate_backward is None:
-        skip_immediate_backward = not ring_of_experts
     bf = buffer_factor * (layers - 1) / layers if skip_immediate_backward else buffer_factor
     return {
         "worst_case_rows": worst,
@@ -541,7 +539,7 @@ def pipeline_pool_plan(
     page_size: int = 64,
     buffer_factor: float = 1.10,
     capacity_factor: float = 2.0,
-    skip_immediate_backward: bool = True,
+    skip_immediate_backward: bool = False,
 ) -> list[StagePool]:
     """Each pipeline stage's in-flight peak and the pool its manager allocates after capture.
 
@@ -553,7 +551,8 @@ def pipeline_pool_plan(
     × Σ pages`` per key — the peak comes right after a forward pass, when every layer of the
     in-flight passes is live — and the pool ``max(1, ceil(buffer_factor × peak))`` pages, the
     manager's expression, float rounding included (``ceil(1.1 × 50)`` is 56). With
-    ``skip_immediate_backward`` (the default, as :class:`~te_paged.config.MoEConfig`'s) a
+    ``skip_immediate_backward`` (:class:`~te_paged.config.MoEConfig`'s
+    ``moe_paged_stash_skip_immediate_backward``) a
     forward whose backward comes next (PP 1, a last stage under 1F1B) keeps its last layer
     out of the pool (:meth:`~te_paged.runtime.schedules.InFlight.pooled_layers`).
 

@@ -23,6 +23,7 @@ MODEL_DEFAULTS: dict[str, object] = {
     "capacity_factor": 2.0,
     "buffer_factor_cuda": 1.1,
     "ring_of_experts": False,
+    "skip_immediate_backward": False,
     "page_size": 64,
     "pipeline_parallel": 1,
     "virtual_stages": None,  # 1F1B
@@ -131,6 +132,7 @@ def _run_model(args: argparse.Namespace) -> int:
         layers=args.layers,
         ring_of_experts=args.ring_of_experts,
         itemsize=args.dtype_bytes,
+        skip_immediate_backward=args.skip_immediate_backward and not args.ring_of_experts,
     )
     layers = args.layers or cfg.moe_layers
     print(
@@ -141,7 +143,7 @@ def _run_model(args: argparse.Namespace) -> int:
     effective = s["worst_case_rows"] / s["balanced_rows"]
     kept = (
         ", less the last layer: its backward comes first, its tensors stay unpaged"
-        if not args.ring_of_experts
+        if args.skip_immediate_backward and not args.ring_of_experts
         else ""
     )
     why = (
@@ -190,6 +192,7 @@ def _print_stages(args: argparse.Namespace, cfg, sizes: dict[str, float], layers
         page_size=args.page_size,
         buffer_factor=args.buffer_factor_cuda,
         capacity_factor=cf,
+        skip_immediate_backward=args.skip_immediate_backward,
     )
     interleaved = pipeline.schedule is PipelineSchedule.INTERLEAVED
     how = (

@@ -158,7 +158,7 @@ def test_quick_geglu_clamp_gradients_are_zero_where_clamped() -> None:
 
 
 @needs_fp8
-@pytest.mark.parametrize("recipe", ["tensorwise", "mxfp8"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "mxfp8", "nvfp4"])
 def test_fp8_store_forward_and_backward_use_the_dequantised_input(recipe: str) -> None:
     x, probs, dy = _inputs(dtype=torch.bfloat16)
     y, dx, dp = _run(weighted_swiglu, x, probs, dy, fp8_input_store=recipe)

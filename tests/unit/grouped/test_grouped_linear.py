@@ -235,7 +235,7 @@ def test_device_path_rejects_bad_splits():
         mod(torch.randn(T, IN + 1), torch.tensor(SPLITS))
 
 
-@pytest.mark.parametrize("fp8_recipe", [None, "tensorwise", "mxfp8"])
+@pytest.mark.parametrize("fp8_recipe", [None, "tensorwise", "mxfp8", "nvfp4"])
 def test_legacy_path_matches_device_path(fp8_recipe):
     dev = _module(bias=True, fp8_recipe=fp8_recipe)
     legacy = _module(bias=True, fp8_recipe=fp8_recipe, use_grouped_tensor=False, seed=3)
@@ -352,7 +352,7 @@ def test_fp8_saves_marked_fp8_parts_only(recipe, expected):
     assert not [r for r in records if r[0] == (T, IN) and r[1] == torch.float32]
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "mxfp8"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "mxfp8", "nvfp4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_matches_quantize_dequantize_by_hand(recipe, dtype):
     mod = _module(dtype, bias=True, fp8_recipe=recipe)
@@ -375,7 +375,7 @@ def test_mxfp8_needs_rows_multiple_of_32():
         _module(fp8_recipe="float8")
 
 
-@pytest.mark.parametrize("fp8_recipe", [None, "tensorwise", "mxfp8"])
+@pytest.mark.parametrize("fp8_recipe", [None, "tensorwise", "mxfp8", "nvfp4"])
 def test_paged_stash_is_bitwise_transparent(fp8_recipe):
     mod = _module(bias=True, fp8_recipe=fp8_recipe)
     splits = torch.tensor(SPLITS)
@@ -393,7 +393,8 @@ def test_paged_stash_is_bitwise_transparent(fp8_recipe):
         assert torch.equal(out, ref[0]) and torch.equal(x_leaf.grad, ref[1])
         assert all(torch.equal(p.grad, g) for p, g in zip(mod.parameters(), ref[2]))
         stats = manager.stats()
-        assert stats.stashes == stats.pops == (2 if fp8_recipe == "mxfp8" else 1)
+        # MXFP8 and NVFP4 page their block scales too (NVFP4's global scale is static).
+        assert stats.stashes == stats.pops == (2 if fp8_recipe in ("mxfp8", "nvfp4") else 1)
         assert not stats.overflow
     assert stats.mode.value == "captured" and stats.pool_pages
 
@@ -625,7 +626,7 @@ def test_delay_wgrad_compute_defers_weight_gradients_to_backward_dw(fused) -> No
         assert torch.equal(w.main_grad if fused else w.grad, w_ref.grad)
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "mxfp8"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "mxfp8", "nvfp4"])
 def test_save_original_input_saves_the_input_and_gives_the_same_gradients(recipe) -> None:
     plain = _module(fp8_recipe=recipe)
     original = _module(fp8_recipe=recipe, save_original_input=True)

@@ -21,9 +21,8 @@ def config(**overrides) -> MoEConfig:
         "num_moe_experts": EXPERTS,
         "moe_expert_rank_capacity_factor": 2.0,
         "moe_paged_stash_page_size": 8,
-        # Every layer paged, the last included: these tests check the paging itself. The
-        # default (the last layer kept) runs in tests/unit/stash/test_skip_immediate.py, the
-        # step-memory tests and the ab runs.
+        # Every layer paged, the last included: these tests check the paging itself. The last
+        # layer kept runs in tests/unit/stash/test_skip_immediate.py and the step-memory tests.
         "moe_paged_stash_skip_immediate_backward": False,
     }
     if overrides.get("recompute_modules"):

@@ -15,7 +15,7 @@ MATRIX = list(
     itertools.product(
         [False, True],  # op fuser
         ["swiglu", "quick_geglu"],
-        [None, "tensorwise", "mxfp8"],
+        [None, "tensorwise", "mxfp8", "nvfp4"],
         [[], ["moe_act"]],
         [False, True],  # bias
     )

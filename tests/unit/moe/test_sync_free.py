@@ -18,7 +18,7 @@ def test_guard_catches_a_host_read() -> None:
 
 
 @pytest.mark.parametrize("fuser", [False, True])
-@pytest.mark.parametrize("fp8", [None, "mxfp8"])
+@pytest.mark.parametrize("fp8", [None, "mxfp8", "nvfp4"])
 def test_captured_step_is_sync_free_and_matches_the_reference(fuser, fp8) -> None:
     kw = {"use_transformer_engine_op_fuser": fuser, "fp8": fp8, "moe_paged_stash": True}
     triton_cfg = config(moe_paged_stash_kernel_backend="triton", **kw)

@@ -64,7 +64,7 @@ def test_hand_worked_1f1b_stage_pools() -> None:
     # Stage 0's forwards are followed by another microbatch's backward: nothing kept.
     k0, k1 = pipeline_pool_plan(
         pipeline_parallel=2, microbatches=4, num_layers=4, balanced_rows=100, saved=saved,
-        page_size=64, buffer_factor=1.1, capacity_factor=2.0,
+        page_size=64, buffer_factor=1.1, capacity_factor=2.0, skip_immediate_backward=True,
     )  # fmt: skip
     assert (k0.pooled_layers, k1.pooled_layers, k1.live_layers) == (4, 1, 2)
     assert k0.pool_pages == s0.pool_pages and set(k1.pool_pages.values()) == {3}

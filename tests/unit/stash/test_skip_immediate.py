@@ -137,8 +137,8 @@ def test_the_runner_records_the_skipped_stashes() -> None:
     from te_paged.runtime import PagedStashRunner
     from te_paged.tools.model import ModelConfig, ToyMoEModel, make_batch
 
-    cfg = ModelConfig(layers=2, experts=4, topk=2, hidden=16, ffn=32, tokens=24, page_size=4)
-    assert cfg.skip_immediate_backward  # the default
+    cfg = ModelConfig(layers=2, experts=4, topk=2, hidden=16, ffn=32, tokens=24, page_size=4,
+                      skip_immediate_backward=True)  # fmt: skip
     model = ToyMoEModel(cfg, paged=True, group=None)
     runner = PagedStashRunner(model, model.manager)
     x, target = make_batch(cfg, 0, 0)
