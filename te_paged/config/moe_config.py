@@ -307,19 +307,14 @@ class MoEConfig:
             problems.append(
                 f"moe_mlp_glu_interleave_size must be None or a positive int; got {interleave!r}"
             )
-        if self.fp8 == Fp8Recipe.NVFP4.value:
+        block = {Fp8Recipe.NVFP4.value: NVFP4_BLOCK, Fp8Recipe.MXFP8.value: MXFP8_SCALE_BLOCK}
+        if self.fp8 in block:
+            size = block[self.fp8]
             for name in ("hidden_size", "moe_ffn_hidden_size"):
-                if getattr(self, name) % NVFP4_BLOCK != 0:
+                if getattr(self, name) % size != 0:
                     problems.append(
-                        f"fp8='nvfp4' needs {name} to be a multiple of {NVFP4_BLOCK} (one e4m3 "
-                        f"scale per {NVFP4_BLOCK} elements of a row; got {getattr(self, name)})"
-                    )
-        if self.fp8 == Fp8Recipe.MXFP8.value:
-            for name in ("hidden_size", "moe_ffn_hidden_size"):
-                if getattr(self, name) % MXFP8_SCALE_BLOCK != 0:
-                    problems.append(
-                        f"fp8='mxfp8' needs {name} to be a multiple of {MXFP8_SCALE_BLOCK} (got "
-                        f"{getattr(self, name)}); pad {name} to a multiple of {MXFP8_SCALE_BLOCK} "
+                        f"fp8={self.fp8!r} needs {name} to be a multiple of {size} (got "
+                        f"{getattr(self, name)}); pad {name} to a multiple of {size} "
                         "or use fp8='tensorwise'"
                     )
 
