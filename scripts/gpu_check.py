@@ -235,13 +235,27 @@ def _clean_stash(stack: _Stack, what: str) -> None:
         raise AssertionError(f"{what}: stash not used cleanly: {s}")
 
 
-def _run_cases(cases: dict[str, Callable[[], str]]) -> str:
+#: The check being run (``run_check``), and the one case of it a case process runs (its label,
+#: from the environment: ``_case_in_child``).
+RUNNING: dict[str, object] = {"index": 0}
+CASE_ENV = "TE_PAGED_GPU_CHECK_CASE"
+
+
+def _run_cases(cases: dict[str, Callable[[], str]], isolate: bool = False) -> str:
     """Run every case; one failing does not stop the next. Raises with all outcomes if any
-    failed (Unavailable only if every case was)."""
+    failed (Unavailable only if every case was). ``isolate``: each case in a process of its
+    own on CUDA, for cases whose failure can leave the process broken (a failed graph capture
+    leaves the CUDA generator mid-capture: every later case then fails in ``normal_``)."""
+    only = os.environ.get(CASE_ENV)
+    if only is not None:  # this is a case process
+        return cases[only]()
     done, failed, unavailable = [], [], []
     for label, fn in cases.items():
         try:
-            done.append(f"{label}: {fn()}")
+            if isolate and _cuda() and not RUNNING.get("in_process"):
+                done.append(f"{label}: {_case_in_child(label)}")
+            else:
+                done.append(f"{label}: {fn()}")
         except Unavailable as e:
             unavailable.append(f"{label}: {e}")
         except Exception as e:
@@ -316,9 +330,16 @@ def _kernel_model_sizes() -> str:
     tokens, page = (16384, 64) if _cuda() else (1024, 8)
     torch.manual_seed(0)
     kinds = [*FreeList, "host tier"]
+    failed = []
     for (label, dtype, hidden, per_row), kind in itertools.product(_KERNEL_TYPES, kinds):
         hidden = hidden if _cuda() else min(hidden, 24)
-        _kernel_case(label, dtype, hidden, per_row, kind, tokens, page)
+        try:  # every case, whatever an earlier one did
+            _kernel_case(label, dtype, hidden, per_row, kind, tokens, page)
+        except AssertionError as e:
+            failed.append(str(e))
+    if failed:
+        cases = len(_KERNEL_TYPES) * len(kinds)
+        raise AssertionError(f"{len(failed)} of {cases} cases differ: " + "; ".join(failed))
     return (
         f"{len(_KERNEL_TYPES) * len(kinds)} cases ({len(_KERNEL_TYPES)} element types x fresh, "
         f"1F1B, alternating free lists and a host-tier spill; {tokens} tokens, 3/4 of them "
@@ -378,12 +399,20 @@ def _kernel_case(label, dtype, hidden, per_row, kind, tokens, page) -> None:
         pool = [t[k] for k in ("dev_pool", "dev_free", "host_pool", "host_free", "state")]
         rec = [t["flags"], t["rec_pages"], t["rec_meta"]]
         snaps = []
+
+        def snap() -> dict[str, torch.Tensor]:
+            # The kernels write the pinned host pool through unified addressing: a host-side
+            # clone must wait for them (the GPU run of 2026-12-04 compared a half-written one).
+            if _cuda():
+                torch.cuda.synchronize()
+            return {k: v.clone() for k, v in t.items()}
+
         for zero in (True, False):  # the second round reuses the pages the first returned
             stash_copy(backend, src, num, per_row, page, *pool, *rec)
-            snaps.append({k: v.clone() for k, v in t.items()})
+            snaps.append(snap())
             dst = garbage.clone()
             stash_pop(backend, dst, page, *pool, *rec, zero)
-            snaps.append({"dst": dst, **{k: v.clone() for k, v in t.items()}})
+            snaps.append({"dst": dst, **snap()})
         return snaps
 
     ref, got = run("torch"), run("triton")
@@ -522,7 +551,7 @@ def graph_experts() -> str:
             _replay, "experts", fp8, overlap
         )
         for fp8, overlap in itertools.product([None, "mxfp8"], _overlaps())
-    })  # fmt: skip
+    }, isolate=True)  # fmt: skip
 
 
 @check(
@@ -536,7 +565,7 @@ def graph_layer() -> str:
     return _run_cases({
         _overlap_label(overlap): functools.partial(_replay, "layer", None, overlap)
         for overlap in _overlaps()
-    })  # fmt: skip
+    }, isolate=True)  # fmt: skip
 
 
 #: Check 6's targets: worst ratio of medians (copy / stash+pop) per free list, hidden >= 2048.
@@ -742,6 +771,11 @@ def step_time() -> str:
             f"| {med[k] / med['OFF']:.3f} | {fast[k] / fast['OFF']:.3f} "
             f"| {wall[k] / wall['OFF']:.3f} |"
         )
+    try:  # figures for the reader; the check's verdict does not depend on them
+        table += ["", *_step_profile(fns, med)]
+    except Exception as e:
+        traceback.print_exc()
+        table += ["", f"(the profile failed: {type(e).__name__}: {e})"]
     text = "\n".join(table)
     print(text)
     _section(text)
@@ -757,6 +791,50 @@ def step_time() -> str:
     if ratio > STEP_TIME_TARGET:
         raise TargetMissed(f"{detail}; MISSED: {verdict}")
     return f"{detail}; met: {verdict}"
+
+
+def _kernel_times(fn: Callable[[], object]) -> dict[str, float]:
+    """Device milliseconds per kernel name in one call of ``fn`` (torch.profiler; on CPU the
+    CPU time per op, so that a dry run takes this path too)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activity = ProfilerActivity.CUDA if _cuda() else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        fn()
+        if _cuda():
+            torch.cuda.synchronize()
+    field = "self_device_time_total" if _cuda() else "self_cpu_time_total"
+    out: dict[str, float] = {}
+    for e in prof.key_averages():
+        ms = getattr(e, field, 0.0) / 1e3
+        if ms > 0 and (not _cuda() or e.device_type.name == "CUDA"):
+            out[e.key] = out.get(e.key, 0.0) + ms
+    return out
+
+
+def _step_profile(fns: dict[str, Callable[[], object]], med: dict[str, float]) -> list[str]:
+    """Where ON's extra time goes: one profiled step per variant, the kernels whose device time
+    differs most from OFF's, and busy time (the sum over kernels) against the step's time
+    (busy < step: the device waited on the host; busy > step: streams overlapped)."""
+    per = {label: _kernel_times(fn) for label, fn in fns.items()}
+    lines = ["Device time per kernel, one profiled step of each variant (torch.profiler):", "",
+             "| variant | kernels busy ms | step ms (events median) | busy / step |",
+             "| --- | ---: | ---: | ---: |"]  # fmt: skip
+    for label, kernels in per.items():
+        busy = sum(kernels.values())
+        lines.append(f"| {label} | {busy:.2f} | {1e3 * med[label]:.2f} "
+                     f"| {busy / (1e3 * med[label]):.3f} |")  # fmt: skip
+    names = set().union(*per.values())
+    off = per["OFF"]
+    delta = {n: max(abs(k.get(n, 0.0) - off.get(n, 0.0)) for k in per.values()) for n in names}
+    top = sorted(names, key=lambda n: -delta[n])[:12]
+    lines += ["", "The 12 kernels whose time differs most from OFF's (ms in the step):", "",
+              "| kernel | " + " | ".join(per) + " |", "| --- |" + " ---: |" * len(per)]  # fmt: skip
+    for n in top:
+        short = n if len(n) <= 70 else n[:67] + "..."
+        lines.append(f"| `{short.replace('|', '/')}` | "
+                     + " | ".join(f"{per[k].get(n, 0.0):.3f}" for k in per) + " |")  # fmt: skip
+    return lines
 
 
 MEMORY_TARGET = 0.95
@@ -1061,6 +1139,7 @@ def hybrid_ep() -> str:
 def run_check(index: int) -> dict:
     """Run check ``index`` (1-based) here; its result as a dict."""
     name, _, fn = CHECKS[index - 1]
+    RUNNING["index"] = index
     SECTIONS.clear()
     t0 = time.perf_counter()
     try:
@@ -1078,6 +1157,28 @@ def run_check(index: int) -> dict:
     seconds = time.perf_counter() - t0
     return {"index": index, "name": name, "status": status, "detail": detail,
             "seconds": seconds, "sections": list(SECTIONS)}  # fmt: skip
+
+
+def _case_in_child(label: str) -> str:
+    """Case ``label`` of the running check in a fresh process: its figures, or its outcome
+    raised here as in the case itself (its tables join this check's)."""
+    index = int(RUNNING["index"])
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "result.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", str(index), "--result", path,
+               "--step-tokens", str(STEP_TOKENS), *(["--cpu-dry-run"] if DRY else [])]  # fmt: skip
+        proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, CASE_ENV: label}, timeout=240)
+        if not os.path.exists(path):
+            raise RuntimeError(f"its process exited with status {proc.returncode} (a crash)")
+        with open(path) as f:
+            result = json.load(f)
+    SECTIONS.extend(result["sections"])
+    kind = {"PASS": None, "MISS": TargetMissed, "N/A": Unavailable}.get(result["status"], "FAIL")
+    if kind == "FAIL":
+        raise RuntimeError(result["detail"])
+    if kind is not None:
+        raise kind(result["detail"])
+    return result["detail"]
 
 
 def _in_child(index: int, timeout: float, args: argparse.Namespace) -> dict:
@@ -1221,6 +1322,7 @@ def main() -> int:
                       "sections": [], "detail": f"not run: the {args.budget_s:.0f} s budget "
                                                 "was spent"}  # fmt: skip
         elif args.in_process:
+            RUNNING["in_process"] = True
             result = run_check(index)
             gc.collect()
             if torch.cuda.is_available():

@@ -346,6 +346,10 @@ class PagedStashManager(PoolAllocation, Packing, StashReporting):
         ``stats()`` and the runners do)."""
         for stream in (PACK, UNPACK):
             self._streams.wait(COMPUTE, self._last_side[stream], "join")
+        # Covered: every later stash or pop first waits on a compute-stream event recorded
+        # after this join. Forgetting them also keeps a CUDA graph captured after a reset from
+        # waiting on events recorded before the capture (cudaErrorStreamCaptureIsolation).
+        self._last_side = {PACK: None, UNPACK: None}
 
     # ---------------------------------------------------------------------------------- scope
 

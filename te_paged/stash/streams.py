@@ -39,10 +39,13 @@ The rules the manager's waits keep (the ``why`` of each):
 order), runs side-stream work as late as the waits allow (so a missing wait shows as wrong data
 too), and :func:`check_program` finds every access that is not ordered after the one it
 depends on. Dropping the waits of one ``why`` (``drop=``) is the mutation test of that rule.
+Its :meth:`RecordingStreams.capture` adds the two rules CUDA graph capture enforces on a
+capture that forks side streams (isolation and join), so that a capture's failures show on CPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 from collections.abc import Callable, Hashable, Iterable
@@ -53,6 +56,7 @@ __all__ = [
     "COMPUTE",
     "PACK",
     "UNPACK",
+    "CaptureError",
     "CudaStreams",
     "Event",
     "Hazard",
@@ -164,6 +168,11 @@ class _FakeEvent(Event):
     stream: Stream
     position: int  # the stream's launches before it
     index: int = -1  # its record op in the program (-1: not recorded, e.g. a drain's)
+    captured: bool = False  # recorded on a stream inside a graph capture (a node of the graph)
+
+
+class CaptureError(RuntimeError):
+    """A wait or launch that CUDA stream capture refuses (:meth:`RecordingStreams.capture`)."""
 
 
 @dataclasses.dataclass
@@ -215,6 +224,39 @@ class RecordingStreams(Streams):
         self._queued: dict[Stream, list[_Op]] = {PACK: [], UNPACK: []}
         self._done: dict[Stream, int] = {PACK: 0, UNPACK: 0}
         self._length: dict[Stream, int] = {COMPUTE: 0, PACK: 0, UNPACK: 0}
+        self._capturing: set[Stream] | None = None  # the streams in the open capture, if any
+
+    @contextlib.contextmanager
+    def capture(self):
+        """The program inside is a CUDA graph captured on the compute stream (as under
+        ``torch.cuda.graph``), with the rules CUDA enforces on the side streams it forks:
+
+        * a side stream joins the capture by waiting on an event recorded inside it; work
+          launched on a side stream that has not joined would not be in the graph (CUDA runs
+          it once, eagerly; a replay skips it), so it is refused here;
+        * isolation (``cudaErrorStreamCaptureIsolation``): a stream in the capture may not wait
+          on an event recorded outside it, e.g. before the capture began;
+        * join (``cudaErrorStreamCaptureUnjoined``): when the capture ends, the compute stream
+          has waited on the last launch of every side stream that joined.
+
+        Each refusal raises :class:`CaptureError`, naming the CUDA error.
+        """
+        if self._capturing is not None:
+            raise CaptureError("a capture is already open")
+        self._capturing = {COMPUTE}
+        try:
+            yield
+            stamps = _vector_clocks(self.program)
+            seen = next((c for s, _, c in reversed(stamps) if s is COMPUTE), {})
+            for stream in sorted(self._capturing - {COMPUTE}, key=lambda s: s.value):
+                launched = sum(op.stream is stream and op.kind == "launch" for op in self.program)
+                if seen.get(stream, 0) < launched:
+                    raise CaptureError(
+                        f"cudaErrorStreamCaptureUnjoined: the {stream.value} stream's last work "
+                        "in the capture is not waited on by the compute stream when it ends"
+                    )
+        finally:
+            self._capturing = None
 
     def _add(self, op: _Op) -> _Op:
         self.program.append(op)
@@ -228,20 +270,38 @@ class RecordingStreams(Streams):
         return False
 
     def record(self, stream: Stream) -> Event:
-        event = _FakeEvent(stream, self._length[stream], len(self.program))
+        captured = self._capturing is not None and stream in self._capturing
+        event = _FakeEvent(stream, self._length[stream], len(self.program), captured)
         self._add(_Op(len(self.program), stream, "record", event=event))
         return event
 
     def wait(self, stream: Stream, event: Event | None, why: str) -> None:
         if event is None or self._skip(why):
             return
+        if self._capturing is not None:
+            self._capture_wait(stream, event, why)
         op = self._add(_Op(len(self.program), stream, "wait", event=event, why=why))
         if stream is COMPUTE:
             self._run_to(event)  # the host goes on only once the event's work ran
         else:
             self._enqueue(stream, op)
 
+    def _capture_wait(self, stream: Stream, event: _FakeEvent, why: str) -> None:
+        capturing = self._capturing
+        if stream in capturing and not event.captured:
+            raise CaptureError(
+                f"cudaErrorStreamCaptureIsolation: the {stream.value} stream, inside the capture, "
+                f"waits ({why!r}) on an event the {event.stream.value} stream recorded outside it"
+            )
+        if event.captured:
+            capturing.add(stream)  # the fork: from now on this stream's work is in the graph
+
     def launch(self, stream, fn, name, reads=(), writes=()) -> None:
+        if self._capturing is not None and stream not in self._capturing:
+            raise CaptureError(
+                f"{name!r} launched on the {stream.value} stream during a capture it has not "
+                "joined: the graph would not hold it"
+            )
         op = self._add(_Op(len(self.program), stream, "launch", name, tuple(reads),
                            tuple(writes), fn=fn))  # fmt: skip
         if stream is COMPUTE:
@@ -303,8 +363,7 @@ def check_program(program: list[_Op]) -> list[Hazard]:
     stream recorded after the op (the memory is not reused before that stream's work then). A
     release means "the owner may free it from now on": it leaves the contents for later reads.
     """
-    clock: dict[Stream, dict[Stream, int]] = {s: {t: 0 for t in Stream} for s in Stream}
-    stamps: list[tuple[Stream, int, dict[Stream, int]]] = []
+    stamps = _vector_clocks(program)
     kept: dict[Hashable, list[tuple[Stream, int]]] = {}
     hazards: list[Hazard] = []
     last_write: dict[Hashable, int] = {}
@@ -323,16 +382,8 @@ def check_program(program: list[_Op]) -> list[Hazard]:
         return any(s is stream and upto >= seq for s, upto in kept.get(resource, ()))
 
     for i, op in enumerate(program):
-        own = clock[op.stream]
-        if op.kind in ("launch", "note"):
-            own[op.stream] += 1
-        elif op.kind == "wait":  # what the event's stream had seen when it was recorded
-            upto = stamps[op.event.index][2]
-            for s in Stream:
-                own[s] = max(own[s], upto[s])
-        elif op.kind == "keep":
+        if op.kind == "keep":
             kept.setdefault(op.reads[0], []).append((op.stream, op.event.position))
-        stamps.append((op.stream, own[op.stream], dict(own)))
         if op.kind not in ("launch", "note"):
             continue
         for r in op.reads:
@@ -352,6 +403,23 @@ def check_program(program: list[_Op]) -> list[Hazard]:
                 last_write[r] = i
                 reads_since[r] = []
     return hazards
+
+
+def _vector_clocks(program: list[_Op]) -> list[tuple[Stream, int, dict[Stream, int]]]:
+    """Per op of ``program``: its stream, its sequence number there (launches and notes so
+    far) and its vector clock (how far into each stream it is ordered after)."""
+    clock: dict[Stream, dict[Stream, int]] = {s: {t: 0 for t in Stream} for s in Stream}
+    stamps: list[tuple[Stream, int, dict[Stream, int]]] = []
+    for op in program:
+        own = clock[op.stream]
+        if op.kind in ("launch", "note"):
+            own[op.stream] += 1
+        elif op.kind == "wait":  # what the event's stream had seen when it was recorded
+            upto = stamps[op.event.index][2]
+            for s in Stream:
+                own[s] = max(own[s], upto[s])
+        stamps.append((op.stream, own[op.stream], dict(own)))
+    return stamps
 
 
 _RULES = {

@@ -8,6 +8,7 @@ checker must find nothing, and dropping the waits of any one rule must make it f
 
 from __future__ import annotations
 
+import contextlib
 import types
 
 import pytest
@@ -19,6 +20,7 @@ from te_paged.stash.streams import (
     COMPUTE,
     PACK,
     UNPACK,
+    CaptureError,
     CudaStreams,
     RecordingStreams,
     Streams,
@@ -141,6 +143,67 @@ def test_side_streams_with_the_last_layer_kept(schedule) -> None:
     launches = [op.name for op in fake.program if op.kind == "launch"]
     paged = 2 * (3 * LAYERS - KEPT[schedule])  # 2 captured steps
     assert launches.count("stash") == launches.count("pop") == paged
+
+
+def _captured(schedule: str, lookahead: int) -> tuple[RecordingStreams, list[torch.Tensor]]:
+    """The capture step and a paged step eagerly, then step 2 inside a CUDA graph capture
+    (``RecordingStreams.capture``), as ``scripts/gpu_check.py`` captures one on a GPU."""
+    fake = RecordingStreams()
+    manager = _manager(fake, lookahead)
+    for step in range(2):  # the paged step leaves side-stream events behind
+        manager.reset()
+        _step(manager, step, schedule)
+    manager.reset()
+    with fake.capture():
+        grads = _step(manager, 2, schedule)
+    return fake, grads
+
+
+@pytest.mark.parametrize("lookahead", [0, 1, 2])
+@pytest.mark.parametrize("schedule", ["sequential", "accumulate", "1f1b"])
+def test_a_step_captured_in_a_cuda_graph_keeps_the_capture_rules(schedule, lookahead) -> None:
+    # On an H200 the first stash inside the graph waited on the unpack stream's event from the
+    # eager step before it (cudaErrorStreamCaptureIsolation): reset() joins the side streams
+    # and forgets their events, and a full forward and backward ends joined.
+    fake, grads = _captured(schedule, lookahead)
+    assert _equal([grads], [_step(None, 2, schedule)])
+    assert fake.hazards() == []
+
+
+def test_a_capture_of_a_forward_alone_needs_join_side_streams() -> None:
+    # Stash copies no backward waited for: the compute stream must join them before the
+    # capture ends; join_side_streams() does, without a host sync.
+    for join in (False, True):
+        fake = RecordingStreams()
+        manager = _manager(fake)
+        manager.reset()
+        _step(manager, 0, "sequential")
+        manager.reset()
+        x, n = _inputs(1, 0)
+        with contextlib.ExitStack() as stack:
+            if not join:
+                stack.enter_context(pytest.raises(CaptureError, match=r"Unjoined.*pack"))
+            with fake.capture():
+                _Model(1).forward(manager, x, n)
+                if join:
+                    manager.join_side_streams()
+
+
+def test_the_capture_model_refuses_what_cuda_refuses() -> None:
+    fake = RecordingStreams()
+    before = fake.record(UNPACK)
+    with pytest.raises(CaptureError, match="Isolation"), fake.capture():
+        fake.wait(COMPUTE, before, "join")
+    with pytest.raises(CaptureError, match="not joined"), fake.capture():
+        fake.launch(PACK, lambda: None, "stash")
+    with fake.capture():  # an eager wait before the fork, the fork by a captured event, the join
+        fake.wait(PACK, before, "eager")
+        fake.wait(PACK, fake.record(COMPUTE), "stash after produce")
+        fake.launch(PACK, lambda: None, "stash")
+        fake.wait(COMPUTE, fake.record(PACK), "join")
+    with pytest.raises(CaptureError, match="Isolation"), fake.capture():
+        fake.wait(PACK, fake.record(COMPUTE), "stash after produce")
+        fake.wait(PACK, before, "reuse after pop")
 
 
 def _lookahead_program(lookahead: int) -> list[tuple[str, str]]:
