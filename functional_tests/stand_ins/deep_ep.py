@@ -55,6 +55,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from functional_tests.stand_ins._common import gather, sum_in_expert_order
+
 __all__ = ["HybridEPBuffer", "hybrid_ep_buffer"]
 
 
@@ -111,9 +113,7 @@ class HybridEPBuffer:
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
         """``[P, *t.shape]``: ``t`` from every rank (equal shapes, as HybridEP requires)."""
-        out = [torch.empty_like(t) for _ in range(self.world)]
-        dist.all_gather(out, t.contiguous(), group=self.group)
-        return torch.stack(out)
+        return gather(t, self.group, self.world)
 
     def _layout(
         self,
@@ -245,13 +245,7 @@ class HybridEPBuffer:
         per_expert_NEH = recv_PNLH.permute(1, 0, 2, 3).reshape(n, self.world * local, width)
         if not summed:
             return per_expert_NEH
-        routed_NE = routing_PNE[self.rank]
-        k = max(1, int(routed_NE.sum(1).max()))  # the stand-in's host read
-        order_NE = torch.sort((~routed_NE).to(torch.uint8), dim=1, stable=True).indices
-        idx_NK = order_NE[:, :k]
-        picked_NKH = per_expert_NEH.gather(1, idx_NK.unsqueeze(-1).expand(n, k, width))
-        picked_NKH = picked_NKH * routed_NE.gather(1, idx_NK).unsqueeze(-1).to(rows_RH.dtype)
-        return picked_NKH.sum(1)
+        return sum_in_expert_order(per_expert_NEH, routing_PNE[self.rank])
 
 
 hybrid_ep_buffer = types.ModuleType("deep_ep.hybrid_ep_buffer")

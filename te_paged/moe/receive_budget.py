@@ -45,6 +45,10 @@ class ReceiveBudget(StaticBudgetDispatcher):
 
     #: The budget is what one rank receives, not a pair's: runners size it from ``peak_tokens``.
     receive_budget = True
+    #: Whether the budget stays static in the runner's rerun (NCCL EP: its capacity is fixed
+    #: at a bootstrap, so the rerun gets one that holds :attr:`rerun_rows`); the runner then
+    #: checks after the rerun that nothing went over it. HybridEP's rerun is dropless.
+    static_rerun = False
 
     def __init__(
         self,
@@ -62,6 +66,10 @@ class ReceiveBudget(StaticBudgetDispatcher):
         self._a2a = None  # no wire: the framework's dispatcher writes only the real rows
         self.wire_auto = False
         self.max_factor = max_factor
+        #: The rows the failed attempt demanded at one rank (the runner's reduced
+        #: ``peak_tokens``), set before its rerun: what a budget that stays static in the rerun
+        #: must hold. ``None`` until a rerun.
+        self.rerun_rows: int | None = None
 
     def set_capacity_factor(self, factor: float) -> None:
         """The receive budget's factor from the next dispatch on (host only; every rank of the
@@ -95,13 +103,18 @@ class ReceiveBudget(StaticBudgetDispatcher):
         tokens_per_expert: torch.Tensor,
         overflow: torch.Tensor | None,
         row_bytes: int,
+        *,
+        demanded: torch.Tensor | None = None,
     ) -> None:
         """One dispatch of ``num_tokens`` local tokens into ``budget_rows`` rows, with its
-        device ``tokens_per_expert`` (the rows asked for) and overflow flag (``None``:
-        dropless). Device arithmetic only."""
+        device ``tokens_per_expert`` (the rows received) and overflow flag (``None``:
+        dropless); ``demanded``, where the dispatcher reports it (NCCL EP's
+        ``total_recv_tokens``), the rows asked for before any drop, which ``peak_tokens``
+        then holds. Device arithmetic only."""
         self.last_num_tokens = num_tokens
         received = tokens_per_expert.sum().to(self.peak_tokens.device, torch.int64)
-        torch.maximum(self.peak_tokens, received, out=self.peak_tokens)
+        asked = received if demanded is None else demanded.reshape(()).to(received.device)
+        torch.maximum(self.peak_tokens, asked.to(torch.int64), out=self.peak_tokens)
         # Dispatch, combine and their two backwards move the real rows, and only those.
         self.dropless_bytes.add_(received * (4 * row_bytes))
         if overflow is not None:

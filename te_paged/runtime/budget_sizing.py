@@ -132,13 +132,26 @@ class BudgetSizing:
         sized from them (:meth:`_size_receive_budgets`)."""
         pending, self._receive_pending = self._receive_pending, False
         budgets = self._receive_budgets()
-        if not pending or not budgets:
+        static = [d for d in budgets if d.static_rerun]
+        if not budgets or not (pending or static):
             return
         device = self._device()
         peak = torch.stack([d.peak_tokens.to(device) for d in budgets]).max()
+        over = torch.stack([d.over_budget.to(device) for d in static]).max() if static else 0
+        figures = torch.stack([peak, torch.as_tensor(over, device=device)]).long()
         if self._world()[1] > 1:
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.group)
-        record.peak_tokens = max(record.peak_tokens, int(peak))
+            dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=self.group)
+        peak, over = (int(x) for x in figures.tolist())
+        if over:  # a budget that stayed static in the rerun dropped rows: never kept
+            raise RuntimeError(
+                f"step {record.step}: the rerun went over {static[0].factor_name}'s budget "
+                f"too (sized from the {static[0].rerun_rows} rows its failed attempt demanded; "
+                f"{peak} demanded in the rerun): its routing differed from the failed attempt's, "
+                "so rows were dropped; the step is not kept"
+            )
+        if not pending:
+            return
+        record.peak_tokens = max(record.peak_tokens, peak)
         self._size_receive_budgets(record, "over budget")
 
     def _size_receive_budgets(self, record: StepRecord, why: str) -> None:

@@ -519,6 +519,11 @@ class PagedStashRunner(StepReduction, PoolSizing, BudgetSizing, Reporting):
         self.clear_gradients()
         for d in self.dispatchers:  # the dropless reference: the kept attempt's routing
             d.reset_traffic(sent=False)
+        for d in self._receive_budgets():  # what a budget static in the rerun must hold
+            d.rerun_rows = record.peak_tokens
+        # The rerun's own flags (a static budget's are checked after it); the state restore
+        # zeroes those of dispatchers inside the model, this every dispatcher's.
+        self._zero_counters()
         if self.grow_pool and record.stash_overflow_ranks and record.enabled:
             self._grow(record, per_rank[self._world()[0]].demand(), "overflow")
         for manager in self.managers:

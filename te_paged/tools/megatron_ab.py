@@ -115,9 +115,9 @@ class MegatronModelConfig(ModelConfig):
     #: "gpt" (Megatron-core's GPTModel) or "hybrid" (0.19.2's HybridModel, attention and MoE
     #: layers alternating: :func:`hybrid_layer_pattern`).
     model: str = "gpt"
-    #: megatron-core 0.19.2's flex backend beside the rank capacity factor: "ncclep" (te_paged's
-    #: own dispatcher replaces it) or "hybridep" (Megatron's HybridEP dispatcher is kept where
-    #: ``deep_ep`` imports, e.g. the tests' stand-in; te_paged's otherwise).
+    #: megatron-core 0.19.2's flex backend beside the rank capacity factor: "ncclep" or
+    #: "hybridep". Megatron's dispatcher is kept where its library imports (and NCCL EP can
+    #: drop), e.g. the tests' stand-ins; te_paged's own dispatcher replaces it otherwise.
     flex_backend: str = "ncclep"
 
     def __post_init__(self) -> None:

@@ -1,5 +1,5 @@
 """``PagedStashMoELayer``: Megatron-core's ``MoELayer`` on a static budget: te_paged's dispatcher,
-or Megatron's HybridEP dispatcher where it imports.
+or Megatron's HybridEP or NCCL EP dispatcher where it imports (and NCCL EP can drop).
 
 Importing this module imports Megatron (the class derives from Megatron's ``MoELayer``);
 :func:`~te_paged.integrations.megatron.get_te_paged_moe_spec` imports it only when the config
@@ -7,7 +7,7 @@ has ``moe_expert_rank_capacity_factor``.
 
 The layer is Megatron's, routing, shared experts, recompute and all; only the token dispatcher
 is replaced (Megatron's constructor builds its own first, from ``moe_token_dispatcher_type``,
-which is then unused), or, with HybridEP, wrapped. It takes part in the runner protocol
+which is then unused), or, with HybridEP or NCCL EP, wrapped. It takes part in the runner protocol
 (:class:`~te_paged.moe.participant.PagedStashParticipant`): it reports its dispatcher; its
 experts report their stash manager. While the dispatcher is dropless (the runner's rerun), the
 experts' rows are dynamic and the layer keeps them out of the stash
@@ -61,7 +61,8 @@ def check_static_budget_config(config: object, tp_size: int = 1) -> None:
 
 class PagedStashMoELayer(MoELayer, PagedStashParticipant):
     """Megatron's ``MoELayer`` whose token dispatcher is :class:`StaticBudgetTokenDispatcher`
-    (or, with HybridEP, :class:`~te_paged.integrations.megatron.flex.FlexTokenDispatcher`).
+    (or, with HybridEP or NCCL EP,
+    :class:`~te_paged.integrations.megatron.flex.FlexTokenDispatcher`).
 
     Megatron's constructor arguments (``config, submodules, layer_number, pg_collection``, and
     whatever else the release's ``TransformerLayer`` passes, e.g. 0.19.2's ``is_mtp_layer`` and
@@ -71,8 +72,9 @@ class PagedStashMoELayer(MoELayer, PagedStashParticipant):
 
     A config that selects Megatron's ``"flex"`` dispatcher (a 0.19.2 config written for
     Megatron's own paged stash must) keeps it with the HybridEP backend where ``deep_ep``
-    imports: :class:`~te_paged.integrations.megatron.flex.FlexTokenDispatcher` wraps it, only
-    real rows cross the wire. Otherwise (NCCL EP, DeepEP, or no HybridEP library, e.g. on CPU)
+    imports, or NCCL EP where Transformer Engine's ``ep`` imports and can drop:
+    :class:`~te_paged.integrations.megatron.flex.FlexTokenDispatcher` wraps it, only real rows
+    cross the wire. Otherwise (DeepEP, NCCL EP that traps, or no library, e.g. on CPU)
     it never builds it: ``MoELayer``'s constructor sees a copy of the config with
     ``moe_token_dispatcher_type="alltoall"`` (a dispatcher that needs no communication library,
     replaced right after by te_paged's), and the layer keeps the user's config.
@@ -101,12 +103,13 @@ class PagedStashMoELayer(MoELayer, PagedStashParticipant):
         #: te_paged's side of Megatron's own PagedStashRunner (Megatron-LM's training loop).
         self.loop = loop if loop is not None else MegatronLoopAdapter()
         self.token_dispatcher: StaticBudgetTokenDispatcher | FlexTokenDispatcher
-        if keep_flex:  # Megatron's HybridEP dispatcher, te_paged's seams around it
+        if keep_flex:  # Megatron's HybridEP or NCCL EP dispatcher, te_paged's seams around it
             self.token_dispatcher = FlexTokenDispatcher(
                 self.token_dispatcher,
                 cfg,
                 self.ep_group,
                 align=get_align_size_for_quantization(config),
+                backend=config.moe_flex_dispatcher_backend,
                 device=compute_device(),
                 loop=self.loop,
             )

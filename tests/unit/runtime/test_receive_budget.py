@@ -104,3 +104,40 @@ def test_receive_budget_refuses_to_dispatch() -> None:
         b.dispatch()
     with pytest.raises(TypeError, match="its framework's dispatcher does"):
         b.combine()
+
+
+class StaticRerunDispatcher(FrameworkDispatcher):
+    """NCCL EP's kind: the rerun keeps a static budget, sized from the demand the runner hands
+    over (``rerun_rows``); the demand itself is reported (``demanded``), not only the kept rows.
+    ``rerun_short`` rows fewer than that in the rerun stand for a routing that changed."""
+
+    def __init__(self, factor: float, rerun_short: int = 0) -> None:
+        super().__init__(factor)
+        self.budget.static_rerun = True
+        self.rerun_short = rerun_short
+
+    def forward(self, x: torch.Tensor, demand: torch.Tensor) -> torch.Tensor:
+        b = self.budget
+        rows = b.rank_budget(TOKENS, b.capacity_factor)
+        if b.dropless:
+            rows = max(rows, b.rerun_rows - self.rerun_short)
+        asked = demand.sum().reshape(1)
+        kept = kept_per_expert(demand, rows)
+        b.note_dispatch(TOKENS, rows, kept, asked > rows, 4 * x.shape[-1], demanded=asked)
+        self.seen.append((rows, kept.tolist()))
+        return x * kept.sum()
+
+
+def test_a_budget_static_in_the_rerun_gets_the_failed_attempts_demand() -> None:
+    layer = StaticRerunDispatcher(1.0)  # 32 rows
+    recs = run(layer, [[10, 10, 10, 10], [12, 12, 12, 2]])
+    assert [r.attempt for r in recs] == [2, 1]
+    # the attempt kept 32 rows but reported the 40 demanded: the rerun holds exactly those
+    assert layer.budget.rerun_rows == 40 and layer.seen[1] == (40, [10, 10, 10, 10])
+    assert recs[0].capacity_growth["to"] == 1.38 and layer.seen[2][0] == 44
+
+
+def test_a_rerun_that_still_drops_is_not_kept() -> None:
+    layer = StaticRerunDispatcher(1.0, rerun_short=1)
+    with pytest.raises(RuntimeError, match="rerun went over"):
+        run(layer, [[10, 10, 10, 10]])

@@ -1,0 +1,52 @@
+"""Which Megatron flex backends te_paged keeps: NCCL EP only where its ``ep_bootstrap`` can drop
+(Transformer Engine 2.19+); one that traps (2.18, megatron-core 0.19.2's pairing) or none gets
+te_paged's own dispatcher. And NCCL EP's budget rule, Megatron's."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from te_paged.integrations.megatron import flex
+
+fused_a2a = pytest.importorskip("megatron.core.transformer.moe.fused_a2a")
+
+
+def _te_ep(drop: bool) -> types.SimpleNamespace:
+    if drop:  # Transformer Engine 2.19's signature (ep.py:101-112)
+
+        def ep_bootstrap(ep_group, num_experts, max_tokens_per_rank, hidden_dim, num_topk,
+                         recv_capacity_per_rank=None, max_num_sms=0, zero_copy=False,
+                         drop_on_overflow=False, max_token_dtype=None): ...  # fmt: skip
+    else:  # 2.18's (ep.py:90-99)
+
+        def ep_bootstrap(ep_group, num_experts, max_tokens_per_rank, recv_capacity_per_rank,
+                         hidden_dim, max_num_sms=0, zero_copy=False,
+                         max_token_dtype=None): ...  # fmt: skip
+
+    return types.SimpleNamespace(ep_bootstrap=ep_bootstrap)
+
+
+def _config(backend: str) -> types.SimpleNamespace:
+    return types.SimpleNamespace(
+        moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend=backend
+    )
+
+
+@pytest.mark.parametrize(("have", "drop", "kept"), [(True, True, True), (True, False, False),
+                                                    (False, True, False)])  # fmt: skip
+def test_nccl_ep_is_kept_only_where_it_drops(monkeypatch, have, drop, kept) -> None:
+    monkeypatch.setattr(fused_a2a, "HAVE_TE_EP", have, raising=False)
+    monkeypatch.setattr(fused_a2a, "te_ep", _te_ep(drop), raising=False)
+    assert flex.keeps_flex_dispatcher(_config("ncclep")) is kept
+    assert (flex.nccl_ep_unavailable() is None) is kept
+    assert not flex.keeps_flex_dispatcher(_config("deepep"))
+
+
+def test_nccl_ep_budget_is_megatrons_rule() -> None:
+    rule = flex.nccl_ep_rank_budget(topk=2, align=0)
+    # 0.19.2 (_ensure_bootstrap): tokens rounded up to 64, x top-k x factor, then alignment
+    assert rule(16, 4.0) == 512 and rule(128, 1.0) == 256 and rule(129, 1.0) == 384
+    assert flex.nccl_ep_rank_budget(topk=8, align=256)(100, 1.1) == 1280  # 1126 -> 1280
+    assert rule(64, 0.1) == 64  # never below the tokens a rank sends
