@@ -63,7 +63,7 @@ import dataclasses
 import importlib.util
 import inspect
 import logging
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -175,8 +175,6 @@ class NcclEpBootstrap:
     at the same dispatch: their factors and token counts agree). Host only."""
 
     current: _Boot | None = None
-    #: Every bootstrap te_paged made in this process: ``(capacity, why)`` (tests, logs).
-    history: ClassVar[list[tuple[int, str]]] = []
 
     @classmethod
     def ensure(cls, manager: Any, capacity: int, max_tokens: int, why: str) -> None:
@@ -202,7 +200,6 @@ class NcclEpBootstrap:
                 drop_on_overflow=True,
             )
             cls.current = want
-            cls.history.append((capacity, why))
             was = "" if before is None else f" (was {before.capacity})"
             logger.info(
                 "te_paged: NCCL EP bootstrapped with drop_on_overflow, %d receive rows per rank%s "

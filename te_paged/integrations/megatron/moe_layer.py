@@ -7,10 +7,10 @@ has ``moe_expert_rank_capacity_factor``.
 
 The layer is Megatron's, routing, shared experts, recompute and all; only the token dispatcher
 is replaced (Megatron's constructor builds its own first, from ``moe_token_dispatcher_type``,
-which is then unused), or, with HybridEP or NCCL EP, wrapped. It takes part in the runner protocol
-(:class:`~te_paged.moe.participant.PagedStashParticipant`): it reports its dispatcher; its
-experts report their stash manager. While the dispatcher is dropless (the runner's rerun), the
-experts' rows are dynamic and the layer keeps them out of the stash
+which is then unused), or, with HybridEP or NCCL EP, wrapped. It takes part in the runner
+protocol (:class:`~te_paged.moe.participant.PagedStashParticipant`): it reports its dispatcher;
+its experts report their stash manager. While the dispatcher is dropless (the runner's rerun),
+the experts' rows are dynamic and the layer keeps them out of the stash
 (``manager.disabled()``).
 """
 

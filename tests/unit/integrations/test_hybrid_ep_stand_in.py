@@ -9,24 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from functional_tests.stand_ins import deep_ep
 from te_paged.moe import kept_per_expert
 
 
 @pytest.fixture
-def group(tmp_path):
-    started_here = not dist.is_initialized()
-    if started_here:
-        dist.init_process_group(
-            "gloo", init_method=(tmp_path / "store").as_uri(), rank=0, world_size=1
-        )
-    try:
-        yield dist.group.WORLD
-    finally:
-        if started_here:
-            dist.destroy_process_group()
+def group(one_rank_group):
+    return one_rank_group
 
 
 # Four tokens, two experts (one rank): token 0 -> e0, e1; token 1 -> e1; token 2 -> e0;

@@ -50,3 +50,28 @@ def test_nccl_ep_budget_is_megatrons_rule() -> None:
     assert rule(16, 4.0) == 512 and rule(128, 1.0) == 256 and rule(129, 1.0) == 384
     assert flex.nccl_ep_rank_budget(topk=8, align=256)(100, 1.1) == 1280  # 1126 -> 1280
     assert rule(64, 0.1) == 64  # never below the tokens a rank sends
+
+
+def test_nccl_ep_capacity_at_the_factor_then_the_rerun_demand_or_the_worst_case() -> None:
+    from te_paged.config import MoEConfig
+
+    cfg = MoEConfig(hidden_size=8, moe_ffn_hidden_size=8, num_moe_experts=4, moe_router_topk=2,
+                    moe_expert_rank_capacity_factor=1.0)  # fmt: skip
+    manager = types.SimpleNamespace(zero_copy=False, num_local_experts=4, router_topk=2)
+    d = flex.FlexTokenDispatcher(
+        types.SimpleNamespace(_comm_manager=manager), cfg, None, align=0, backend="ncclep"
+    )
+    assert manager.static_shape  # the experts read the device counts: no host narrowing
+    d._num_tokens = 100  # 128 tokens a rank for NCCL EP: 256 rows at factor 1.0
+    assert d.nccl_ep_capacity()[:2] == (256, 128)
+    d.budget.set_dropless(True)  # dropless with no failed attempt to size from: the worst
+    assert d.nccl_ep_capacity()[0] == 128 * 2  # case, 1 rank x 128 tokens x min(K, 4)
+    d.budget.rerun_rows = 300  # the runner's rerun: what the failed attempt demanded
+    assert d.nccl_ep_capacity()[0] == 300
+    d.budget.rerun_rows = 200  # never below the budget itself
+    assert d.nccl_ep_capacity()[0] == 256
+    manager.zero_copy = True
+    with pytest.raises(ValueError, match="moe_ncclep_zero_copy"):
+        flex.FlexTokenDispatcher(
+            types.SimpleNamespace(_comm_manager=manager), cfg, None, align=0, backend="ncclep"
+        )

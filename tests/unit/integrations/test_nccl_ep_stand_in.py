@@ -9,25 +9,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from functional_tests.stand_ins import te_ep
 
 
 @pytest.fixture
-def group(tmp_path, monkeypatch):
+def group(one_rank_group, monkeypatch):
     monkeypatch.setattr(te_ep, "ALLOW_ONE_RANK", True)
-    started_here = not dist.is_initialized()
-    if started_here:
-        dist.init_process_group(
-            "gloo", init_method=(tmp_path / "store").as_uri(), rank=0, world_size=1
-        )
     try:
-        yield dist.group.WORLD
+        yield one_rank_group
     finally:
         te_ep.ep_finalize()
-        if started_here:
-            dist.destroy_process_group()
 
 
 # Four tokens, three experts (one rank), top-2: expert 0 gets tokens 0, 2, 3; expert 1 tokens
