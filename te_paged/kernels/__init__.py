@@ -1,37 +1,22 @@
-"""Stash copy/pop kernels behind a registry of backends: the pure-torch reference and Triton."""
+"""Stash copy/pop kernels behind a registry of backends: the pure-torch reference and Triton.
+Names are imported at first use: the flag and state layout (``te_paged.kernels.layout``) needs
+no torch, and te_paged.jax uses it."""
 
-from te_paged.kernels.backends import (
-    AUTO,
-    KernelBackend,
-    StashBackend,
-    backend_choices,
-    get_backend,
-    register_backend,
-    resolve_backend,
+from te_paged._lazy import lazy_exports
+
+_MODULES = {
+    "te_paged.kernels.backends": [
+        "AUTO", "KernelBackend", "StashBackend", "backend_choices", "get_backend",
+        "register_backend", "resolve_backend",
+    ],
+    "te_paged.kernels.layout": [
+        "FLAGS_LEN", "META_LEN", "STATE_LEN", "Flag", "Meta", "State", "Tier",
+    ],
+    "te_paged.kernels.ops": ["stash_copy", "stash_pop"],
+    "te_paged.kernels.reference": ["torch_stash_copy", "torch_stash_pop"],
+    "te_paged.kernels.triton_backend": ["triton_available"],
+}  # fmt: skip
+__all__ = sorted(name for names in _MODULES.values() for name in names)
+__getattr__, __dir__ = lazy_exports(
+    __name__, {n: m for m, names in _MODULES.items() for n in names}, globals()
 )
-from te_paged.kernels.layout import FLAGS_LEN, META_LEN, STATE_LEN, Flag, Meta, State, Tier
-from te_paged.kernels.ops import stash_copy, stash_pop
-from te_paged.kernels.reference import torch_stash_copy, torch_stash_pop
-from te_paged.kernels.triton_backend import triton_available
-
-__all__ = [
-    "AUTO",
-    "FLAGS_LEN",
-    "META_LEN",
-    "STATE_LEN",
-    "Flag",
-    "KernelBackend",
-    "Meta",
-    "StashBackend",
-    "State",
-    "Tier",
-    "backend_choices",
-    "get_backend",
-    "register_backend",
-    "resolve_backend",
-    "stash_copy",
-    "stash_pop",
-    "torch_stash_copy",
-    "torch_stash_pop",
-    "triton_available",
-]

@@ -71,12 +71,14 @@ class StashBackend:
 
 
 _BACKENDS: dict[str, StashBackend] = {}
+_BUILTINS_LOADED = False
 
 
 def register_backend(backend: StashBackend, *, replace: bool = False) -> StashBackend:
     """Add ``backend`` under its name (``replace=True`` to override one); returns it."""
     if not isinstance(backend, StashBackend):
         raise TypeError(f"register_backend takes a StashBackend, got {backend!r}")
+    _builtins()  # first, so that a user's replace=True overrides them, not the reverse
     if backend.name in _BACKENDS and not replace:
         raise ValueError(f"a stash backend named {backend.name!r} is already registered; "
                          "pass replace=True to override it")  # fmt: skip
@@ -84,9 +86,28 @@ def register_backend(backend: StashBackend, *, replace: bool = False) -> StashBa
     return backend
 
 
+def _builtins() -> dict[str, StashBackend]:
+    """The registry, with the built-in backends registered at its first use (their modules
+    import torch, which ``import te_paged.kernels`` leaves to first use)."""
+    global _BUILTINS_LOADED
+    if not _BUILTINS_LOADED:
+        _BUILTINS_LOADED = True  # before registering: register_backend calls this
+        from te_paged.kernels import reference, triton_backend
+
+        register_backend(StashBackend(
+            "torch", reference.torch_stash_copy, reference.torch_stash_pop, direct=True
+        ))  # fmt: skip
+        register_backend(StashBackend(
+            "triton", triton_backend.triton_copy, triton_backend.triton_pop,
+            available=triton_backend.triton_usable, sync_free=True,
+        ))  # fmt: skip
+    return _BACKENDS
+
+
 def backend_choices() -> tuple[str, ...]:
-    """Every valid value of ``moe_paged_stash_kernel_backend``: ``auto`` and the registered."""
-    return (AUTO, *_BACKENDS)
+    """Every valid value of ``moe_paged_stash_kernel_backend``: ``auto`` and the registered,
+    by name."""
+    return (AUTO, *sorted(_builtins()))
 
 
 def get_backend(name: str | StashBackend) -> StashBackend:
@@ -94,7 +115,7 @@ def get_backend(name: str | StashBackend) -> StashBackend:
     if isinstance(name, StashBackend):
         return name
     key = name.value if isinstance(name, KernelBackend) else name
-    backend = _BACKENDS.get(key) if isinstance(key, str) else None
+    backend = _builtins().get(key) if isinstance(key, str) else None
     if backend is None:
         allowed = ", ".join(repr(n) for n in _BACKENDS)
         raise ValueError(f"stash kernel backend {name!r} is not registered ({allowed}; or 'auto')")
@@ -114,7 +135,7 @@ def resolve_backend(name: str | StashBackend, device: torch.device) -> StashBack
     if key == AUTO:
         if device.type != "cuda":
             return get_backend(KernelBackend.TORCH)
-        triton = _BACKENDS.get(KernelBackend.TRITON.value)
+        triton = _builtins().get(KernelBackend.TRITON.value)
         ok, reason = triton.available(device) if triton else (False, "it is not registered")
         if not ok:
             raise ValueError(

@@ -38,7 +38,6 @@ from collections.abc import Callable
 import torch
 
 from te_paged.kernels import native
-from te_paged.kernels.backends import StashBackend, register_backend
 from te_paged.kernels.layout import Flag, Meta, State, Tier
 
 __all__ = ["torch_stash_copy", "torch_stash_pop"]
@@ -439,6 +438,3 @@ def torch_stash_pop(
     _store(free, free_ints)
     _store(state, st)
     _move_rows(rows, page_size, pages, rec_pages_M, pool, dst_RH, to_pool=False)
-
-
-register_backend(StashBackend("torch", torch_stash_copy, torch_stash_pop, direct=True))

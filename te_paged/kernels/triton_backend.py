@@ -8,8 +8,6 @@ import os
 
 import torch
 
-from te_paged.kernels.backends import StashBackend, register_backend
-
 __all__ = ["triton_available"]
 
 
@@ -20,7 +18,7 @@ def triton_available() -> tuple[bool, str]:
     return True, ""
 
 
-def _available(device: torch.device) -> tuple[bool, str]:
+def triton_usable(device: torch.device) -> tuple[bool, str]:
     ok, reason = triton_available()
     if not ok:
         return ok, reason
@@ -33,16 +31,13 @@ def _available(device: torch.device) -> tuple[bool, str]:
     return True, ""
 
 
-def _copy(*args: object) -> None:
+def triton_copy(*args: object) -> None:
     from te_paged.kernels.triton_stash import triton_stash_copy
 
     triton_stash_copy(*args)
 
 
-def _pop(*args: object) -> None:
+def triton_pop(*args: object) -> None:
     from te_paged.kernels.triton_stash import triton_stash_pop
 
     triton_stash_pop(*args)
-
-
-register_backend(StashBackend("triton", _copy, _pop, available=_available, sync_free=True))

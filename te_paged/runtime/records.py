@@ -1,15 +1,12 @@
 """What :class:`~te_paged.runtime.PagedStashRunner` reports: its :class:`StepRecord` (one
-per step, also a JSON line), its :class:`StepState` (what a rerun puts back) and its errors."""
+per step, also a JSON line) and its errors. Free of torch: te_paged.jax reports the same record
+(what a rerun puts back is :class:`~te_paged.runtime.step_state.StepState`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 from typing import Any
-
-import torch
-
-from te_paged.runtime.step_state import ModuleStateSnapshot
 
 
 class FallbackLimitError(RuntimeError):
@@ -85,16 +82,3 @@ class StepDesyncError(RuntimeError):
 class InvalidCountsError(RuntimeError):
     """A rank's layers saw token counts or expert ids that cannot be right (not an overflow: a
     rerun would see them again)."""
-
-
-@dataclasses.dataclass
-class StepState:
-    """What a step consumes or changes that a rerun must give back: every random generator it
-    draws from (torch's CPU generator, each CUDA device's), the model's buffers, FP8 metas and
-    :class:`~te_paged.runtime.step_state.Restorable` s (``modules``), and whatever a subclass
-    adds in ``extra``."""
-
-    cpu_rng: torch.Tensor
-    cuda_rng: list[torch.Tensor] | None
-    modules: ModuleStateSnapshot | None = None
-    extra: dict[str, Any] = dataclasses.field(default_factory=dict)

@@ -35,10 +35,12 @@ result equals that of a run that never overflowed. Per step the runner:
    after a step over budget, and after a step that left less than the headroom; never past the
    expert buffer's factor nor ``max_capacity_factor`` (:class:`CapacityLimitError` when a step
    needed more than that limit). An "auto" wire (``moe_a2a_capacity_factor=None``: it starts
-   at the expert factor) is set once, after ``auto_wire_steps`` training steps (8), to the
-   largest demand of those steps x ``capacity_headroom``, lower or higher: routing moves most
-   while the routers first learn, so one step is too few to size from (by te_paged's runners:
-   under Megatron-LM's own, which cannot grow it ahead of need, it stays at the expert factor).
+   at the expert factor) is set once, lower or higher, to the largest demand of its first
+   training steps x ``capacity_headroom``: after the first step whose demand is not above the
+   peak of the steps before it, or after ``auto_wire_steps`` (8) steps. Routing moves most
+   while the routers first learn, so the first step alone is too few to size from (by
+   te_paged's runners: under Megatron-LM's own, which cannot grow it ahead of need, it stays at
+   the expert factor).
    ``StepRecord.capacity_growth`` says from, to and why (docs/design.md, "The wire").
 
 With ``record_routing=True`` the runner also records, for ``te-paged plan``, every MoE layer's
@@ -88,11 +90,10 @@ from te_paged.runtime.records import (
     PoolLimitError,
     StepDesyncError,
     StepRecord,
-    StepState,
 )
 from te_paged.runtime.reduction import StepReduction, _RankStats
 from te_paged.runtime.reporting import Reporting
-from te_paged.runtime.step_state import ModuleState
+from te_paged.runtime.step_state import ModuleState, StepState
 from te_paged.stash import PagedStashManager, StashMode
 from te_paged.telemetry import nvtx_range
 
@@ -146,7 +147,7 @@ class PagedStashRunner(StepReduction, PoolSizing, BudgetSizing, Reporting):
     Wire sizing: with ``grow_capacity`` (the default) the dispatchers' ``a2a_capacity_factor``
     keeps the largest pair demand seen x ``capacity_headroom`` (module docstring, item 6), up to
     the expert buffer's ``capacity_factor``, and sizes an auto wire once, from the largest
-    demand of its first ``auto_wire_steps`` training steps;
+    demand of its first training steps, once it stops rising (at most ``auto_wire_steps``);
     ``max_capacity_factor`` is a lower limit of the user's, past which a step's need raises
     :class:`CapacityLimitError` on every rank (before any rerun). ``grow_capacity=False`` keeps
     the wire where the config put it (an auto wire: at the expert factor).

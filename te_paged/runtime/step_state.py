@@ -160,3 +160,16 @@ class ModuleState:
         if self.changing is not None:
             self.changing |= set(lost)
         return lost
+
+
+@dataclasses.dataclass
+class StepState:
+    """What a step consumes or changes that a rerun must give back: every random generator it
+    draws from (torch's CPU generator, each CUDA device's), the model's buffers, FP8 metas and
+    :class:`~te_paged.runtime.step_state.Restorable` s (``modules``), and whatever a subclass
+    adds in ``extra``."""
+
+    cpu_rng: torch.Tensor
+    cuda_rng: list[torch.Tensor] | None
+    modules: ModuleStateSnapshot | None = None
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)

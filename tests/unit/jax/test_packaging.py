@@ -1,5 +1,5 @@
-"""The jax extra: pinned in pyproject (and in the test extra, so CI runs the JAX tests), and
-never imported by ``import te_paged``."""
+"""The jax extra: pinned in pyproject (and in the test extra, so CI runs the JAX tests), never
+imported by ``import te_paged``; and ``te_paged.jax`` without PyTorch."""
 
 from __future__ import annotations
 
@@ -71,3 +71,42 @@ def test_without_jax_the_port_and_the_engine_say_how_to_install_it() -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
     assert "te-paged ab: error: --engine jax needs JAX: pip install 'te_paged[jax]'" in out.stderr
+
+
+def test_te_paged_jax_imports_and_runs_without_torch() -> None:
+    pytest.importorskip("jax")
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.modules["torch"] = None  # any import of torch now fails
+        import jax.numpy as jnp
+        import te_paged, te_paged.jax, te_paged.jax.moe
+        from te_paged.jax import make_pool, pop, stash
+        pool, rec = stash(make_pool(4, 2, 3), jnp.arange(12.0).reshape(4, 3), 3)
+        pool, out = pop(pool, rec, 4)
+        assert out.tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [0, 0, 0]], out
+        assert te_paged.__version__
+        try:
+            te_paged.MoEConfig
+        except ImportError as e:
+            assert "te_paged[torch]" in str(e) and "te_paged.jax needs no torch" in str(e), e
+        else:
+            raise AssertionError("te_paged.MoEConfig without torch")
+        print("ok")
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_with_torch_installed_te_paged_jax_still_does_not_import_it() -> None:
+    pytest.importorskip("jax")
+    code = "import sys, te_paged.jax, te_paged.jax.moe; print('torch' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
