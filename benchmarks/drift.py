@@ -29,11 +29,13 @@ off (the same model and batch, the static buffers saved whole). Both runs keep t
 expert factor (``a2a_capacity_factor=2.0``), so that its reruns do not enter the pool's figures.
 
 With ``--wire`` the same schedule runs once per wire setting instead (the pool self-sizing in
-each): the wire fixed at the expert factor (the old wire), and the auto wire (sized from the first
-step, then raised as routing needs) at several ``capacity_headroom``s. Reported per run and phase:
-over-budget reruns and wire growths; over the run: the bytes sent against a dropless exchange of
-the same routing (the reruns' bytes included) and the wire factor at the end. The bytes and the
-reruns do not depend on the machine; the default ``capacity_headroom`` is chosen from them.
+each): the wire fixed at the expert factor (the old wire), and the auto wire (sized once its
+first steps' demand stops rising, then raised as routing needs) at several
+``capacity_headroom``s. Reported per run and phase: over-budget reruns and wire changes; over
+the run: the bytes sent against a dropless exchange of the same routing (the reruns' bytes
+included), the wire factor at step 2 and at the end, the pool and the peaks of one more step.
+The bytes and the reruns do not depend on the machine; the default ``capacity_headroom`` is
+chosen from them.
 """
 
 from __future__ import annotations
@@ -138,8 +140,6 @@ def _train(cfg: ModelConfig, grow: bool, args, rank: int, world: int, watchdog, 
         records.append(dataclasses.asdict(record))
         dropless.append(sum(int(d.dropless_bytes) for d in runner.dispatchers))
         watchdog.progress(f"{name} step {step + 1}/{args.steps}")
-    if args.wire:
-        return {"records": records, "losses": losses, "dropless_bytes": dropless}
     # The saving, on one more step from the trained state: stash on (plus the pool), then off.
     x, target = make_batch(cfg, args.steps, rank)
     manager = model.manager
@@ -154,6 +154,9 @@ def _train(cfg: ModelConfig, grow: bool, args, rank: int, world: int, watchdog, 
     manager.reset()
     with manager.disabled():
         off = measure_peak(measured_step, torch.device("cpu"))[1].peak_bytes
+    if args.wire:
+        return {"records": records, "losses": losses, "dropless_bytes": dropless,
+                "peak_on": on, "peak_off": off, "pool_bytes": stats.pool_bytes}  # fmt: skip
     key_pages = {str(k): manager.capture_peaks(k) for k in manager.keys}
     page_bytes = {str(k): manager.page_size * k.row_bytes for k in manager.keys}
     profile = runner.routing_profile() if rank == 0 else None
@@ -290,7 +293,10 @@ def summarize_wire(ranks: list[dict], args: argparse.Namespace) -> dict:
             "ratio": sent / reference,
             "reruns": sum(r["attempt"] == 2 for r in records),
             "final_factor": final,
-            "first_factor": records[1]["a2a_capacity_factor"],
+            "first_factor": records[2]["a2a_capacity_factor"],  # ab's last default step
+            "pool_bytes": max(run["pool_bytes"] for run in runs),
+            "peak_on": max(run["peak_on"] + run["pool_bytes"] for run in runs),
+            "peak_off": max(run["peak_off"] for run in runs),
             "seconds": max(run["seconds"] for run in runs),
             "losses": runs[0]["losses"],
         }
@@ -343,17 +349,21 @@ def report_wire(summary: dict, args: argparse.Namespace, command: str) -> str:
         "*Sent*: every all-to-all a rank handed gloo in the run (dispatch, combine, both "
         "backwards, metadata, the reruns' attempts included), max over ranks. *Dropless*: what "
         "an exchange of only the routed rows would have sent for the kept attempts. *Reruns*: "
-        "steps run twice (each costs about one more step of compute).",
+        "steps run twice (each costs about one more step of compute). *Pool*: the stash "
+        "pool at the end (self-sizing in every run). *Peak*: one more step after training, "
+        "torch MemTracker peak with the stash on (plus the pool) and off, max over ranks (the "
+        "wire's send and receive buffers are part of it).",
         "",
-        "| run | wire after step 0 | wire at the end | reruns | sent MiB | dropless MiB "
-        "| sent / dropless | total s |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| run | wire at step 2 | wire at the end | reruns | sent MiB | dropless MiB "
+        "| sent / dropless | pool MiB | peak on MiB | peak off MiB | total s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name in WIRE_RUNS:
         s = summary[name]
         lines.append(
             f"| {name} | {s['first_factor']:g} | {s['final_factor']:g} | {s['reruns']} "
             f"| {_mib(s['bytes_sent'])} | {_mib(s['dropless_bytes'])} | {s['ratio']:.2f} "
+            f"| {_mib(s['pool_bytes'])} | {_mib(s['peak_on'])} | {_mib(s['peak_off'])} "
             f"| {s['seconds']:.0f} |"
         )
     return "\n".join(lines) + "\n"

@@ -131,8 +131,8 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
             metavar="F",
             help="moe_a2a_capacity_factor: the rows te_paged's all-to-all sends each rank over "
             "the balanced case, at most --capacity-factor; the runner raises it as routing "
-            "needs (default: auto, --capacity-factor for the first 8 steps, then their "
-            "largest pair demand x 1.10; not with the jax engine)",
+            "needs (default: auto, --capacity-factor until the largest pair demand stops "
+            "rising, at most 8 steps, then that demand x 1.10; not with the jax engine)",
         )
     _knob(
         g,
@@ -209,9 +209,9 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
         "--grow-capacity",
         action=argparse.BooleanOptionalAction,
         help="the runner's grow_capacity: the all-to-all's wire budget keeps the largest pair "
-        "demand seen x 1.10, set after the first 8 steps when --a2a-capacity-factor is not "
-        "given, "
-        "raised after a step over budget or a step that left less headroom (default: on); "
+        "demand seen x 1.10, set once the demand stops rising (at most 8 steps) when "
+        "--a2a-capacity-factor is not given, raised after a step over budget or a step that "
+        "left less headroom (default: on); "
         "--no-grow-capacity keeps it at --a2a-capacity-factor (not with the jax engine)",
     )
     e = p.add_argument_group(

@@ -1,8 +1,8 @@
 """How :class:`~te_paged.runtime.PagedStashRunner` sizes the dispatchers' budgets
 (``grow_capacity``): te_paged's wire (``a2a_capacity_factor``, from the step's largest pair
-demand, or once after the auto wire's warm-up) and receive budgets (HybridEP's, from the peak
-its rerun measured), × ``capacity_headroom``, bounded by ``max_capacity_factor``
-(:class:`~te_paged.runtime.CapacityLimitError`)."""
+demand, or once when the auto wire's first steps' demand stops rising) and receive budgets
+(HybridEP's, from the peak its rerun measured), × ``capacity_headroom``, bounded by
+``max_capacity_factor`` (:class:`~te_paged.runtime.CapacityLimitError`)."""
 
 from __future__ import annotations
 
@@ -51,8 +51,9 @@ class BudgetSizing:
         (``record.peak_pair_tokens``, reduced over the ranks: all decide alike, no collective)
         x ``capacity_headroom``, if that is above the wire's factor; bounded by the expert
         buffer's factor and ``max_capacity_factor``. An auto wire (:attr:`wire_auto
-        <te_paged.moe.StaticBudgetDispatcher.wire_auto>`) only watches until its
-        ``auto_wire_steps``-th call, then takes the factor of the largest demand it saw, lower
+        <te_paged.moe.StaticBudgetDispatcher.wire_auto>`) only watches while the demand rises:
+        at the first call whose demand is not above the peak of the calls before (or at the
+        ``auto_wire_steps``-th call) it takes the factor of the largest demand it saw, lower
         too. Records and logs a change."""
         if self.grow_capacity and why != "over budget":  # that one: after the rerun measured it
             self._size_receive_budgets(record, why)
@@ -63,9 +64,10 @@ class BudgetSizing:
         first = wire.wire_auto
         if first:  # at the expert factor, which holds whatever the expert buffer holds
             self._auto_wire_seen += 1
+            settled = self._auto_wire_seen > 1 and peak <= self._auto_wire_peak
             peak = self._auto_wire_peak = max(self._auto_wire_peak, peak)
-            if self._auto_wire_seen < self.auto_wire_steps:
-                return
+            if not settled and self._auto_wire_seen < self.auto_wire_steps:
+                return  # the demand still rises: the routers are learning
             why = "warm-up"
         needed = wire.fitting_capacity_factor(n, peak)
         limit = self.max_capacity_factor
