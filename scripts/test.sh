@@ -25,6 +25,7 @@ if [ ! -d "$inductor_cache/fxgraph" ]; then
 fi
 "$PY" -m pip install -q --disable-pip-version-check -e ".[test]"
 source scripts/torchtitan.sh  # torchtitan 0.3.0, for its integration tests
+source scripts/jax_env.sh  # .venv-jax: Python 3.12, te_paged.jax without torch
 for pid in "${warm_compile[@]}"; do  # a failed warm-up costs only its time (the test compiles)
   wait "$pid" || true
 done
@@ -34,4 +35,7 @@ done
 # Launched ranks share few cores with the test process; idle OpenMP threads spin. One thread
 # a process unless the caller sets it.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+if [ $# -eq 0 ]; then  # the whole suite: the JAX tests in the environment without torch too
+  "$JAX_VENV/bin/python" -m pytest -q -p no:cacheprovider -m torch_free tests/unit/jax
+fi
 exec "$PY" -m pytest -q "$@"

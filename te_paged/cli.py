@@ -202,8 +202,8 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
         action=argparse.BooleanOptionalAction,
         help="the runner's grow_pool: pools keep the largest need seen x 1.10, grown after the "
         "capture step, an overflow, or a step that left less headroom (default: on); "
-        "--no-grow-pool keeps the pools as the buffer factors size them (not with the jax "
-        "engine, whose pool is sized once)",
+        "--no-grow-pool keeps the pools as the buffer factors size them (the jax engine "
+        "too: its first step plays the capture step)",
     )
     g.add_argument(
         "--grow-capacity",

@@ -39,7 +39,7 @@ from te_paged.jax.checkpoint import paged_checkpoint, paged_scope
 from te_paged.jax.pool import PagedPool, make_pool, reset_pool
 from te_paged.kernels.layout import Flag, State
 from te_paged.runtime.planner import SavedTensor, pipeline_pool_plan
-from te_paged.runtime.records import StepRecord
+from te_paged.runtime.records import InvalidCountsError, StepRecord
 
 #: Weights (``wr``, ``w1``, ``w2``, stacked over layers) and a batch (``x``, ``target``,
 #: ``bias``): plain dicts of arrays, pytrees as they are.
@@ -270,10 +270,29 @@ def make_train_step(
 class PagedStepRunner:
     """Runs steps with paged stash; reads the flags once per step (the one host read) and,
     when a stash overflowed, reruns the step without paged stash — the result is the step
-    that never overflowed. Both step functions compile once, for every token count."""
+    that never overflowed. Both step functions compile once per pool size, for every token
+    count.
 
-    def __init__(self, cfg: RingMoEConfig, on_trace: Callable[[bool], None] | None = None):
-        self.cfg = cfg
+    With ``grow_pool`` (the default, as the torch runner's) the pool sizes itself from what the
+    steps needed (``State.DEMAND_HWM``: the pages outstanding at the step's peak, stored or
+    not): after the first step ("capture"), after an overflow ("overflow") and after a kept step
+    that left less than ``grow_headroom`` free ("headroom"), it grows to that need x
+    ``grow_headroom``, never past the static worst case, and ``StepRecord.pool_growth`` says
+    from, to, needed and why. The next step allocates it (one more compilation). A token count
+    the static buffer cannot hold (``flags[INVALID]``) raises :class:`InvalidCountsError`: a
+    rerun would see it again."""
+
+    def __init__(
+        self,
+        cfg: RingMoEConfig,
+        on_trace: Callable[[bool], None] | None = None,
+        *,
+        grow_pool: bool = True,
+        grow_headroom: float = 1.10,
+    ):
+        if not (math.isfinite(grow_headroom) and grow_headroom >= 1):
+            raise ValueError(f"grow_headroom must be >= 1, got {grow_headroom!r}")
+        self.cfg, self.grow_pool, self.grow_headroom = cfg, grow_pool, grow_headroom
 
         def traced(paged: bool):
             return None if on_trace is None else functools.partial(on_trace, paged)
@@ -284,6 +303,12 @@ class PagedStepRunner:
         self.steps = 0
         self.last_num_tokens: list[int] = []
 
+    @property
+    def static_pages(self) -> int:
+        """The pool that holds every layer's static buffer whole: growth stops there."""
+        cfg = self.cfg
+        return cfg.layers * -(-cfg.max_rows // cfg.page_size)
+
     def step(self, params: Params, batch: Batch) -> tuple[StepOutput, StepRecord]:
         """One step: the output of the kept attempt and the torch runner's
         :class:`~te_paged.runtime.StepRecord` of it (one device: rank counts are 0 or 1).
@@ -292,10 +317,17 @@ class PagedStepRunner:
         out = self.paged_step(params, batch, self.pool)
         self.pool = out.pool
         # The step's one host read: flags after forward and after backward, the high-water
-        # mark, the token counts.
+        # marks, the token counts.
         flags, after, state, num_tokens = jax.device_get(
             (out.flags, out.pool.flags, out.pool.state, out.num_tokens_L)
         )
+        if int(flags[Flag.INVALID]):
+            raise InvalidCountsError(
+                f"step {self.steps}: {int(flags[Flag.INVALID])} stash(es) got a token count "
+                f"outside [0, {cfg.max_rows}] (the static buffer's rows; per layer: "
+                f"{[int(n) for n in num_tokens]}): the routing's counts are wrong, which a "
+                "rerun would repeat, so the step is not kept"
+            )
         if int(after[Flag.INVALID]):
             raise RuntimeError(
                 f"step {self.steps}: backward popped {int(after[Flag.INVALID])} record(s) whose "
@@ -303,6 +335,7 @@ class PagedStepRunner:
             )
         overflow = int(flags[Flag.OVERFLOW]) != 0
         peak = int(max(num_tokens))
+        pages = self.pool.num_pages
         record = StepRecord(
             step=self.steps,
             attempt=1,
@@ -312,10 +345,11 @@ class PagedStepRunner:
             host_spill_ranks=0,
             will_retry=overflow,
             pool_high_water_pages={key: int(state[State.HWM])},
-            pool_pages={key: self.pool.num_pages},
+            pool_pages={key: pages},
             peak_tokens=peak,
             budget_tokens=cfg.max_rows,
             balanced_tokens=cfg.balanced_rows,
+            pool_demand_pages={key: int(state[State.DEMAND_HWM])},
         )
         if overflow:
             # As the torch runner suggests it: a factor that would hold every layer at the
@@ -323,9 +357,29 @@ class PagedStepRunner:
             record.suggested_buffer_size_factor_cuda = (
                 math.ceil(100 * peak / cfg.balanced_rows * 1.05) / 100
             )
+        if self.grow_pool:
+            need = int(state[State.DEMAND_HWM])
+            why = "overflow" if overflow else "capture" if self.steps == 0 else "headroom"
+            self._grow(record, need, why)
+        if overflow:
             out = self.plain_step(params, batch, None)
             record.attempt, record.enabled = 2, False
             num_tokens = jax.device_get(out.num_tokens_L)
         self.last_num_tokens = [int(n) for n in num_tokens]
         self.steps += 1
         return out, record
+
+    def _grow(self, record: StepRecord, need: int, why: str) -> None:
+        """A new pool of ``need x grow_headroom`` pages (at most the static worst case) when
+        the step needed more than the pool / headroom; recorded in ``record.pool_growth``."""
+        pages = self.pool.num_pages
+        if math.ceil(need * self.grow_headroom) <= pages:
+            return
+        want = min(math.ceil(need * self.grow_headroom), self.static_pages)
+        if want <= pages:
+            return
+        record.pool_growth[self.cfg.saved.key] = {
+            "from": pages, "to": want, "needed": need, "why": why,
+        }  # fmt: skip
+        cfg = self.cfg
+        self.pool = make_pool(want, cfg.page_size, cfg.hidden, differentiable=True)

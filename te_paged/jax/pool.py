@@ -8,12 +8,11 @@ The semantics are those of the torch reference (:mod:`te_paged.kernels.reference
 layout (:mod:`te_paged.kernels.layout`, whose ``State``/``Flag``/``Meta``/``Tier`` indices
 this module uses as they are): a tensor is stashed whole or not at all; not enough free pages
 adds one to ``flags[OVERFLOW]`` and from then on every stash and pop is a no-op (never a
-truncation); pages are reached through the record, so pops may come in any order; a pop zeroes
-the rows past the stored ones. Where JAX differs:
-
-* **Counts the buffer cannot hold** (negative, or more tokens than ``src_RH``'s rows) count
-  ``OVERFLOW`` here, as the torch kernels did before they were told apart as ``INVALID``
-  (invalid input, which a rerun would repeat); the JAX runner still reruns such a step.
+truncation); a count the static buffer cannot hold (negative, or more tokens than ``src_RH``'s
+rows) stores nothing and adds one to ``flags[INVALID]`` instead: invalid input, which a rerun
+would see again, so the JAX runner raises rather than rerun; pages are reached through the
+record, so pops may come in any order; a pop zeroes the rows past the stored ones. Where JAX
+differs:
 
 * **Functional.** :class:`PagedPool` is a pytree of arrays; :func:`stash` and :func:`pop` return
   a new pool instead of writing in place (under ``jit`` with the pool donated, or as a
@@ -201,10 +200,11 @@ def stash(
 ) -> tuple[PagedPool, StashRecord]:
     """Copy the first ``ceil(num_tokens / tokens_per_row)`` rows of ``src_RH`` into free pages.
 
-    Whole or nothing: without room for all of them (or with ``num_tokens`` outside
-    ``[0, R × tokens_per_row]``) nothing is copied and ``flags[OVERFLOW]`` counts it; after an
-    overflow this is a no-op. Returns the new pool and the record :func:`pop` needs.
-    ``num_tokens`` may be traced; every shape here depends on ``src_RH`` and the pool only.
+    Whole or nothing: without room for all of them nothing is copied and ``flags[OVERFLOW]``
+    counts it; with ``num_tokens`` outside ``[0, R × tokens_per_row]`` nothing is copied and
+    ``flags[INVALID]`` counts it (the torch kernels' rule); after an overflow this is a no-op.
+    Returns the new pool and the record :func:`pop` needs. ``num_tokens`` may be traced; every
+    shape here depends on ``src_RH`` and the pool only.
     """
     if src_RH.ndim != 2 or src_RH.shape[1] != pool.pool_NH.shape[1]:
         raise ValueError(
@@ -256,7 +256,8 @@ def stash(
     asked = jnp.where(in_budget, need, 0)
     st = st.at[State.DEMANDED].add(asked)
     st = st.at[State.DEMAND_HWM].max(st[State.DEMANDED] - st[State.RETURNED])
-    fl = fl.at[Flag.OVERFLOW].add((~was_over & ~ok).astype(jnp.int32))
+    fl = fl.at[Flag.OVERFLOW].add((~was_over & in_budget & ~ok).astype(jnp.int32))
+    fl = fl.at[Flag.INVALID].add((~was_over & ~in_budget).astype(jnp.int32))
     meta = jnp.zeros((META_LEN,), jnp.int32)
     meta = meta.at[Meta.NEED].set(asked)
     meta = meta.at[Meta.ROWS].set(jnp.where(ok, rows, 0))

@@ -1,4 +1,5 @@
-"""Peak memory of a piece of work, measured by torch's own trackers, and the capacity model.
+"""Peak memory of a piece of work, measured by torch's own trackers, and the capacity model
+(defined, free of torch, in :mod:`te_paged.runtime.planner`).
 
 * CUDA: the caching allocator's statistics (``max_memory_allocated`` after
   ``reset_peak_memory_stats``, minus what was allocated before).
@@ -20,6 +21,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from te_paged.runtime.planner import capacity_model_saving, reload_adjusted_saving
 
 __all__ = [
     "MemoryReport",
@@ -133,30 +136,3 @@ def measure_peak(fn: Callable[[], Any], device: torch.device | str) -> tuple[Any
     with PeakMemoryMeter(device) as meter:
         result = fn()
     return result, meter.report
-
-
-def capacity_model_saving(capacity_factor: float, buffer_factor: float, s_bytes: float) -> float:
-    """Predicted peak saving of paged stashing: ``(capacity_factor − buffer_factor) × S``."""
-    return (capacity_factor - buffer_factor) * s_bytes
-
-
-def reload_adjusted_saving(
-    capacity_factor: float,
-    buffer_factor: float,
-    s_bytes: float,
-    layers: int,
-    reload_layers: int = 1,
-) -> float:
-    """The capacity model less the reloads live at the peak: ``(cf − bf − R · cf / L) × S``.
-
-    Backward pops a layer's tensors into static-size buffers (``cf × S / L``) while the pool
-    still holds the layers not yet reached, so at the peak one layer's worth is held twice;
-    ``reload_layers`` ``R`` is 1, or ``1 + reload_lookahead`` when a manager with stream
-    overlap prefetches earlier layers. ``buffer_factor`` is the pool over ``S``: where
-    ``skip_immediate_backward`` keeps the last layer unpaged (its tensors are then the first
-    layer's reload), the pool holds ``(L − 1)/L`` of the configured factor's. Example: 8
-    layers, cf 2.0, bf 1.1 → 0.65 S instead of 0.9 S; 4 layers, cf 1.5 → 0.025 S, almost
-    nothing — fewer, larger layers leave paging less to gain.
-    """
-    live = reload_layers * capacity_factor / layers
-    return (capacity_factor - buffer_factor - live) * s_bytes

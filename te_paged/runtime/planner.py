@@ -54,11 +54,13 @@ __all__ = [
     "RoutingProfile",
     "SavedTensor",
     "StagePool",
+    "capacity_model_saving",
     "expert_mlp_saved_tensors",
     "min_profile_steps",
     "named_sizes",
     "pipeline_pool_plan",
     "recommend",
+    "reload_adjusted_saving",
     "stashed_bytes_per_token",
 ]
 
@@ -435,7 +437,6 @@ def named_sizes(
     of experts, whose JAX port pages every layer) keeps the last layer, whose backward comes
     first, out of the pool: it holds ``(L − 1)/L`` of ``buffer_factor × S``.
     """
-    from te_paged.runtime.memory import capacity_model_saving, reload_adjusted_saving
 
     layers = cfg.moe_layers if layers is None else layers
     if ring_of_experts:
@@ -561,7 +562,6 @@ def pipeline_pool_plan(
     Layouts Megatron-core 0.16.1 refuses raise ``ValueError`` (see
     :class:`~te_paged.runtime.schedules.PipelineConfig`).
     """
-    from te_paged.runtime.memory import capacity_model_saving, reload_adjusted_saving
 
     pipeline = PipelineConfig(
         pipeline_parallel, microbatches, virtual_stages, microbatch_group_size
@@ -609,3 +609,30 @@ def pipeline_pool_plan(
             )
         )
     return plans
+
+
+def capacity_model_saving(capacity_factor: float, buffer_factor: float, s_bytes: float) -> float:
+    """Predicted peak saving of paged stashing: ``(capacity_factor − buffer_factor) × S``."""
+    return (capacity_factor - buffer_factor) * s_bytes
+
+
+def reload_adjusted_saving(
+    capacity_factor: float,
+    buffer_factor: float,
+    s_bytes: float,
+    layers: int,
+    reload_layers: int = 1,
+) -> float:
+    """The capacity model less the reloads live at the peak: ``(cf − bf − R · cf / L) × S``.
+
+    Backward pops a layer's tensors into static-size buffers (``cf × S / L``) while the pool
+    still holds the layers not yet reached, so at the peak one layer's worth is held twice;
+    ``reload_layers`` ``R`` is 1, or ``1 + reload_lookahead`` when a manager with stream
+    overlap prefetches earlier layers. ``buffer_factor`` is the pool over ``S``: where
+    ``skip_immediate_backward`` keeps the last layer unpaged (its tensors are then the first
+    layer's reload), the pool holds ``(L − 1)/L`` of the configured factor's. Example: 8
+    layers, cf 2.0, bf 1.1 → 0.65 S instead of 0.9 S; 4 layers, cf 1.5 → 0.025 S, almost
+    nothing — fewer, larger layers leave paging less to gain.
+    """
+    live = reload_layers * capacity_factor / layers
+    return (capacity_factor - buffer_factor - live) * s_bytes

@@ -142,8 +142,6 @@ def _check_jax_args(args: argparse.Namespace) -> str | None:
     given = [flag for name, flag in refused if getattr(args, name, None) not in (None, False)]
     if args.activation not in (None, "swiglu"):
         given.append("--activation")
-    if getattr(args, "grow_pool", None) is not None:
-        given.append("--grow-pool" if args.grow_pool else "--no-grow-pool")
     if getattr(args, "grow_capacity", None) is not None:
         given.append("--grow-capacity" if args.grow_capacity else "--no-grow-capacity")
     if getattr(args, "a2a_capacity_factor", None) is not None:

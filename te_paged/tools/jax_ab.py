@@ -42,6 +42,7 @@ class JaxModelConfig:
     steps: int = 3
     seed: int = 0
     skew: float = 0.0  # added to expert 0's router logit (a local expert): forces overflow
+    grow_pool: bool = True  # the runner's grow_pool (False: the pool as the planner sized it)
     capacity_factor: float = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
@@ -85,24 +86,18 @@ def run_jax_ab(cfg: JaxModelConfig, progress: Callable[[str], None] | None = Non
     from te_paged.runtime.runner import StepRecord
 
     ring = cfg.ring()
-    runner = PagedStepRunner(ring)
+    runner = PagedStepRunner(ring, grow_pool=cfg.grow_pool)
     params0 = init_params(ring)
     batches = [make_batch(ring, step, cfg.skew) for step in range(cfg.steps)]
-    # Lower and compile each step once: the memory analysis, and the executables the steps
-    # below then run (jit's cache holds them).
-    on_temp = (
-        runner.paged_step.lower(params0, batches[0], runner.pool)
-        .compile()
-        .memory_analysis()
-        .temp_size_in_bytes
-    )
-    off_temp = (
-        runner.plain_step.lower(params0, batches[0], None)
-        .compile()
-        .memory_analysis()
-        .temp_size_in_bytes
-    )
-    pool_bytes, s_bytes = runner.pool.nbytes, ring.s_bytes()
+
+    def temp_bytes(step_fn, pool) -> int:
+        """XLA's figure for ``step_fn`` with ``pool`` (one per pool size: jit's cache then
+        holds the executable the steps run)."""
+        compiled = step_fn.lower(params0, batches[0], pool).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    off_temp = temp_bytes(runner.plain_step, None)
+    s_bytes = ring.s_bytes()
 
     off_steps, off_grads, params = [], [], params0
     for step, batch in enumerate(batches):
@@ -141,6 +136,8 @@ def run_jax_ab(cfg: JaxModelConfig, progress: Callable[[str], None] | None = Non
 
     on_steps, equal, params = [], [], params0
     for step, batch in enumerate(batches):
+        pool_bytes = runner.pool.nbytes  # the pool this step holds (grow_pool may grow it)
+        on_temp = temp_bytes(runner.paged_step, runner.pool)
         out, record = runner.step(params, batch)
         params = out.params
         equal.append(_bitwise(out.grads, off_grads[step]))

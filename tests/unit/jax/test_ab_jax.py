@@ -43,10 +43,24 @@ def test_ab_engine_jax_prints_the_table_and_a_valid_record(tmp_path, capsys) -> 
 
 
 def test_ab_engine_jax_forced_skew_reruns_and_stays_bitwise(capsys) -> None:
-    assert cli.main(["ab", *SMALL, "--skew", "1", "--steps", "2"]) == 0
+    assert cli.main(["ab", *SMALL, "--skew", "1", "--steps", "2", "--no-grow-pool"]) == 0
     out = capsys.readouterr().out
     assert "| 0 (fallback) |" in out and "| 1 (fallback) |" in out
     assert "ON and OFF bitwise equal." in out and "every step after the capture step" in out
+
+
+def test_ab_engine_jax_grows_the_pool_after_an_overflow(tmp_path, capsys) -> None:
+    js = tmp_path / "ab.json"
+    assert cli.main(["ab", *SMALL, "--skew", "1", "--steps", "2", "--json", str(js)]) == 0
+    out = capsys.readouterr().out
+    assert "| 0 (fallback) |" in out and "| 1 (paged) |" in out and "bitwise equal." in out
+    (rank,) = json.loads(js.read_text())["ranks"]
+    first, second = (s["record"] for s in rank["on"])
+    ((key, growth),) = first["pool_growth"].items()
+    assert growth["why"] == "overflow" and growth["to"] > growth["from"]
+    assert second["pool_pages"] == {key: growth["to"]} and second["attempt"] == 1
+    # the memory table is of the last step, with the pool it held
+    assert rank["pool_bytes"] == growth["to"] * 8 * 32 * 4  # pages x rows x hidden x fp32
 
 
 @pytest.mark.parametrize(
@@ -56,6 +70,7 @@ def test_ab_engine_jax_forced_skew_reruns_and_stays_bitwise(capsys) -> None:
         (["--fp8", "mxfp8", "--recompute"], "--fp8, --recompute: not available with --engine jax"),
         (["--dropout", "0.1"], "--dropout: not available with --engine jax"),
         (["--buffer-factor-cpu", "0.5"], "--buffer-factor-cpu: not available"),
+        (["--no-grow-capacity"], "--no-grow-capacity: not available with --engine jax"),
         (["--ep", "3"], "experts=8 do not split over ep=3"),
         (["--device", "cuda"], "the jax engine runs on CPU"),
     ],

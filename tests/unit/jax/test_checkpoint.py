@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 jax = pytest.importorskip("jax")
+pytestmark = pytest.mark.torch_free  # also run without torch (scripts/jax_env.sh)
 jnp = jax.numpy
 
 from jax.ad_checkpoint import checkpoint_name  # noqa: E402

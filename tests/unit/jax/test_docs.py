@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("jax")
+pytestmark = pytest.mark.torch_free  # also run without torch (scripts/jax_env.sh)
 
 ROOT = Path(__file__).resolve().parents[3]
 DOC = ROOT / "docs" / "jax.md"

@@ -1,17 +1,21 @@
 """The ring-of-experts MoE stack with paged stash of moe_mlpwo: 3 training steps bitwise equal
 to the same steps without it, a forced skew flagged and rerun, one compilation for every token
-count, and XLA's compiled memory analysis against the capacity model."""
+count, XLA's compiled memory analysis against the capacity model, and the pool sizing itself
+(after the first step and after an overflow, recorded) as the torch runner's does."""
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import pytest
 
 jax = pytest.importorskip("jax")
+pytestmark = pytest.mark.torch_free  # also run without torch (scripts/jax_env.sh)
 
 from te_paged.jax.moe import PagedStepRunner, RingMoEConfig, init_params, make_batch  # noqa: E402
 from te_paged.kernels.layout import State  # noqa: E402
-from te_paged.runtime.memory import capacity_model_saving  # noqa: E402
+from te_paged.runtime.planner import capacity_model_saving, reload_adjusted_saving  # noqa: E402
 
 # 4 layers, 8 experts over a ring of 4 (2 local), 64 tokens per rank: a 512-row static buffer
 # for 128 balanced rows (capacity factor 4). The pool holds 1.25x the balanced pages.
@@ -27,7 +31,7 @@ def runner():
     def on_trace(paged: bool) -> None:
         traces[paged] += 1
 
-    r = PagedStepRunner(CFG, on_trace=on_trace)
+    r = PagedStepRunner(CFG, on_trace=on_trace, grow_pool=False)  # the planner's pool, fixed
     r.traces = traces
     return r
 
@@ -78,7 +82,11 @@ def test_forced_skew_overflows_is_flagged_and_the_rerun_is_the_unpaged_step(runn
     assert runner.traces == {True: 1, False: 1}
 
 
-def test_compiled_memory_saving_within_5_percent_of_the_capacity_model(runner) -> None:
+def test_compiled_memory_saving_between_the_reload_adjusted_and_the_capacity_model(runner):
+    """The saving XLA's memory analysis measures lies between the two models (docs/jax.md):
+    whether backward's one static-size reload is live at the peak depends on the schedule
+    XLA picks, which changes between releases (jax 0.10.2: the capacity model's; 0.12: 83 % of
+    it, above the reload-adjusted model)."""
     params, batch = init_params(CFG), make_batch(CFG, 0)
     # Lowering the runner's own jitted steps: XLA's compilation cache serves them.
     on = runner.paged_step.lower(params, batch, runner.pool).compile().memory_analysis()
@@ -86,9 +94,67 @@ def test_compiled_memory_saving_within_5_percent_of_the_capacity_model(runner) -
     pool_bytes = runner.pool.nbytes  # an argument of the step (donated), not a temporary
     saving = off.temp_size_in_bytes - (on.temp_size_in_bytes + pool_bytes)
     predicted = capacity_model_saving(CFG.capacity_factor, CFG.buffer_factor, CFG.s_bytes())
+    reloads = reload_adjusted_saving(
+        CFG.capacity_factor, CFG.buffer_factor, CFG.s_bytes(), CFG.layers
+    )
     assert CFG.capacity_factor == CFG.ep == 4
-    assert abs(saving / predicted - 1) < 0.05, (saving, predicted)
+    assert reloads <= saving <= 1.05 * predicted, (reloads, saving, predicted)
     assert runner.traces == {True: 1, False: 1}
+
+
+def test_an_overflow_grows_the_pool_to_its_need_and_the_step_then_fits() -> None:
+    runner = PagedStepRunner(CFG)  # grow_pool: the default
+    params, batch = init_params(CFG), make_batch(CFG, 7, skew=8.0)
+    out, record = runner.step(params, batch)
+    key, pages = CFG.saved.key, CFG.pool_pages()
+    need = record.pool_demand_pages[key]
+    assert record.attempt == 2 and need > pages  # the rerun kept the step; the need measured
+    want = min(math.ceil(need * 1.10), runner.static_pages)
+    assert record.pool_growth == {
+        key: {"from": pages, "to": want, "needed": need, "why": "overflow"}
+    }
+    assert runner.pool.num_pages == want
+    out, record = runner.step(params, batch)  # the same step again: it fits now
+    assert (record.attempt, record.enabled, record.pool_growth) == (1, True, {})
+    assert record.pool_pages == {key: want}
+    ref = runner.plain_step(params, batch, None)
+    assert _same(out.grads, ref.grads) and _same(out.params, ref.params)
+
+
+def test_a_first_step_that_leaves_less_than_the_headroom_grows_the_pool(runner) -> None:
+    """A pool that holds step 0's need exactly (no overflow) but not need x 1.10: grown after
+    it, why "capture"; a step that fits with room keeps its pool."""
+    params, batch = init_params(CFG), make_batch(CFG, 0)
+    _, record = runner.step(params, batch)  # the fixed pool: what step 0 needs
+    need = record.pool_demand_pages[CFG.saved.key]
+    balanced = CFG.pool_pages() / CFG.buffer_factor  # the planner's pages at factor 1
+    tight = RingMoEConfig(**{**CFG.__dict__, "buffer_factor": need / balanced})
+    assert tight.pool_pages() == need
+    grown = PagedStepRunner(tight)
+    _, record = grown.step(params, batch)
+    assert record.attempt == 1 and record.pool_high_water_pages == {tight.saved.key: need}
+    assert record.pool_growth[tight.saved.key] == {
+        "from": need, "to": math.ceil(need * 1.10), "needed": need, "why": "capture",
+    }  # fmt: skip
+    _, record = grown.step(params, batch)
+    assert record.pool_growth == {}
+
+
+def test_a_count_the_buffer_cannot_hold_is_invalid_not_an_overflow() -> None:
+    from te_paged.jax.pool import make_pool, stash
+    from te_paged.kernels.layout import Flag
+    from te_paged.runtime import InvalidCountsError
+
+    runner = PagedStepRunner(CFG)
+    pool = make_pool(4, 8, 3)
+    for bad in (-1, 9):  # negative, and more tokens than the 8-row buffer
+        pool, _ = stash(pool, jax.numpy.ones((8, 3)), bad)
+    assert int(pool.flags[Flag.INVALID]) == 2 and int(pool.flags[Flag.OVERFLOW]) == 0
+    out = runner.paged_step(init_params(CFG), make_batch(CFG, 0), runner.pool)
+    poisoned = out._replace(flags=out.flags.at[Flag.INVALID].set(1))
+    runner.paged_step = lambda *a: poisoned  # a step whose router counted wrong
+    with pytest.raises(InvalidCountsError, match=r"outside \[0, 512\].*a rerun would repeat"):
+        runner.step(init_params(CFG), make_batch(CFG, 0))
 
 
 def test_config_checks() -> None:
@@ -98,3 +164,5 @@ def test_config_checks() -> None:
         RingMoEConfig(topk=9)
     with pytest.raises(ValueError, match="buffer_factor"):
         RingMoEConfig(buffer_factor=0.0)
+    with pytest.raises(ValueError, match="grow_headroom"):
+        PagedStepRunner(CFG, grow_headroom=0.9)

@@ -34,16 +34,31 @@ def test_import_te_paged_does_not_import_jax() -> None:
     assert out.stdout.strip() == "ok"
 
 
-def test_the_jax_extra_is_pinned_to_what_the_tests_run_on() -> None:
+def test_the_jax_extra_spans_the_releases_the_tests_run_on() -> None:
+    """The extra's range holds both environments' pins: the test extra's (Python 3.11, beside
+    torch) and scripts/jax-constraints.txt's (Python 3.12, without torch); this one's
+    installed release is the test extra's pin."""
+    from packaging.requirements import Requirement
+
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
-    pins = {req.split("==")[0]: req.split("==")[1] for req in extras["jax"]}
-    assert set(pins) == {"jax", "jaxlib"}
-    assert pins["jax"] == pins["jaxlib"], "jax and jaxlib are released together"
-    assert set(extras["jax"]) <= {r.split("#")[0].strip() for r in extras["test"]}
+    ranges = {r.name: r.specifier for r in map(Requirement, extras["jax"])}
+    assert set(ranges) == {"jax", "jaxlib"} and ranges["jax"] == ranges["jaxlib"]
+    test_pins = {r.name: str(r.specifier) for r in map(Requirement, extras["test"])}
+    lines = (ROOT / "scripts" / "jax-constraints.txt").read_text().splitlines()
+    torch_free = {r.name: str(r.specifier) for r in map(Requirement, _requirements(lines))}
+    for pins in (test_pins, torch_free):
+        assert pins["jax"] == pins["jaxlib"], "jax and jaxlib are released together"
+        assert ranges["jax"].contains(pins["jax"].removeprefix("=="))
+    assert "torch" not in torch_free and "torch" not in ranges
+    assert not [r for r in project["dependencies"] if Requirement(r).name == "torch"]
     pytest.importorskip("jax")
-    for name, version in pins.items():
-        assert metadata.version(name) == version, f"{name} installed differs from the pin"
+    for name in ("jax", "jaxlib"):
+        assert "==" + metadata.version(name) == test_pins[name], f"{name} differs from the pin"
+
+
+def _requirements(lines: list[str]) -> list[str]:
+    return [ln.split("#")[0].strip() for ln in lines if ln.split("#")[0].strip()]
 
 
 def test_without_jax_the_port_and_the_engine_say_how_to_install_it() -> None:
@@ -73,7 +88,9 @@ def test_without_jax_the_port_and_the_engine_say_how_to_install_it() -> None:
     assert "te-paged ab: error: --engine jax needs JAX: pip install 'te_paged[jax]'" in out.stderr
 
 
+@pytest.mark.torch_free
 def test_te_paged_jax_imports_and_runs_without_torch() -> None:
+    """Blocks torch where it is installed; the environment without torch runs this as well."""
     pytest.importorskip("jax")
     code = textwrap.dedent(
         """
@@ -85,6 +102,14 @@ def test_te_paged_jax_imports_and_runs_without_torch() -> None:
         pool, rec = stash(make_pool(4, 2, 3), jnp.arange(12.0).reshape(4, 3), 3)
         pool, out = pop(pool, rec, 4)
         assert out.tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [0, 0, 0]], out
+        # the MoE stack, its runner, the planner that sizes its pool and the capacity model
+        from te_paged.jax.moe import PagedStepRunner, RingMoEConfig, init_params, make_batch
+        from te_paged.runtime.planner import capacity_model_saving
+        cfg = RingMoEConfig(layers=2, hidden=8, ffn=8, tokens=16, page_size=4)
+        runner = PagedStepRunner(cfg)
+        _, record = runner.step(init_params(cfg), make_batch(cfg, 0))
+        assert record.attempt == 1 and record.enabled, record
+        assert capacity_model_saving(4.0, 1.1, 10.0) > 0
         assert te_paged.__version__
         try:
             te_paged.MoEConfig

@@ -15,6 +15,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 jax = pytest.importorskip("jax")
+pytestmark = pytest.mark.torch_free  # also run without torch (scripts/jax_env.sh)
 jnp = jax.numpy
 
 from te_paged.jax import STAMP, make_pool, overflowed, pop, reset_pool, stash  # noqa: E402
@@ -45,9 +46,12 @@ class NumpyPool:
         self.stamp += 1
         if self.overflow:
             return [-1] * SLOTS, 0, Tier.NONE, stamp
+        if n < 0 or n > ROWS:  # a count the buffer cannot hold: invalid, not an overflow
+            self.invalid += 1
+            return [-1] * SLOTS, 0, Tier.NONE, stamp
         rows = -(-n // 1)
         need = -(-rows // PAGE)
-        if n < 0 or n > ROWS or need > self.tail - self.head:
+        if need > self.tail - self.head:
             self.overflow += 1
             return [-1] * SLOTS, 0, Tier.NONE, stamp
         pages = [self.free[(self.head + i) % PAGES] for i in range(need)]
@@ -127,8 +131,8 @@ def test_stash_and_pop_match_the_numpy_model(ops, seed) -> None:
             )
             assert got == want
             assert int(rec.meta[Meta.POPPED]) == 0
-            # Never truncated: stored whole, or flagged.
-            assert want[1] == arg or (want[2] == Tier.NONE and model.overflow > 0)
+            # Never truncated: stored whole, or flagged (an overflow, or an invalid count).
+            assert want[1] == arg or (want[2] == Tier.NONE and model.overflow + model.invalid)
             outstanding.append((rec, want, bits, arg))
         elif op == "pop" and outstanding:
             rec, want, bits, n = outstanding.pop(arg % len(outstanding))
@@ -167,8 +171,13 @@ def test_overflow_is_flagged_and_later_stashes_are_no_ops() -> None:
     assert not np.asarray(out).any() and int(pool.state[State.TAIL]) == PAGES
     pool = reset_pool(pool)
     assert not bool(overflowed(pool)) and np.asarray(pool.free_P).tolist() == list(range(PAGES))
-    pool, d = _stash(pool, x, jnp.int32(ROWS + 1))  # over the static budget
-    assert int(d.meta[Meta.TIER]) == Tier.NONE and bool(overflowed(pool))
+    pool, d = _stash(pool, x, jnp.int32(ROWS + 1))  # over the static buffer: a wrong count
+    assert int(d.meta[Meta.TIER]) == Tier.NONE and not bool(overflowed(pool))
+    assert int(pool.flags[Flag.INVALID]) == 1  # invalid input, as the torch kernels say
+    pool, e = _stash(pool, x, jnp.int32(-1))
+    assert int(e.meta[Meta.TIER]) == Tier.NONE and int(pool.flags[Flag.INVALID]) == 2
+    pool, f = _stash(pool, x, jnp.int32(1))  # the pool itself still works
+    assert int(f.meta[Meta.TIER]) == Tier.DEVICE
 
 
 def test_one_compilation_for_every_token_count() -> None:
@@ -228,7 +237,8 @@ def test_same_pages_and_bytes_as_the_torch_reference() -> None:
     t_flags = torch.zeros(FLAGS_LEN, dtype=torch.int64)
     empty, no_free = torch.zeros(0, HIDDEN, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
     pool = make_pool(PAGES, PAGE, HIDDEN)
-    program = [("stash", 9), ("stash", 3), ("pop", 0), ("stash", 13), ("pop", 1), ("stash", 5),
+    program = [("stash", 14), ("pop", 0), ("stash", -2), ("pop", 0),  # invalid counts
+               ("stash", 9), ("stash", 3), ("pop", 0), ("stash", 13), ("pop", 1), ("stash", 5),
                ("pop", 0), ("stash", 12), ("pop", 0), ("pop", 0)]  # fmt: skip
     live: list[tuple] = []
     for k, (op, arg) in enumerate(program):
@@ -309,8 +319,8 @@ def test_tokens_per_row_counts_rows_of_several_tokens() -> None:
     assert int(rec.meta[Meta.ROWS]) == 2 and int(pool.state[State.ROWS_STASHED]) == 2
     pool, out = pop(pool, rec, ROWS)
     assert np.array_equal(out[:2], x[:2]) and not np.asarray(out[2:]).any()
-    pool, rec = stash(pool, x, ROWS * 32 + 1, tokens_per_row=32)  # one token over the budget
-    assert int(rec.meta[Meta.TIER]) == Tier.NONE and bool(overflowed(pool))
+    pool, rec = stash(pool, x, ROWS * 32 + 1, tokens_per_row=32)  # one token over the buffer
+    assert int(rec.meta[Meta.TIER]) == Tier.NONE and int(pool.flags[Flag.INVALID]) == 1
 
 
 def test_a_record_popped_from_another_pool_or_generation_or_too_short_is_invalid() -> None:
