@@ -229,7 +229,9 @@ def test_plan_named_model_reproduces_the_maxtext_table(capsys) -> None:
 
 
 def test_plan_prints_the_in_flight_peak_and_pool_of_each_pipeline_stage(capsys) -> None:
-    model = ("--model", "deepseek-v3", "--ep", "64", "--capacity-factor", "1.5")
+    # every layer pooled (--no-skip-immediate-backward); the default comes below
+    model = ("--model", "deepseek-v3", "--ep", "64", "--capacity-factor", "1.5",
+             "--no-skip-immediate-backward")  # fmt: skip
     one = plan(capsys, *model)
     also_one = plan(capsys, *model, "--pipeline-parallel", "1", "--microbatches", "8")
     assert one.returncode == also_one.returncode == 0, one.stderr + also_one.stderr
@@ -246,9 +248,9 @@ def test_plan_prints_the_in_flight_peak_and_pool_of_each_pipeline_stage(capsys) 
     # rows are 512 pages a tensor: ceil(1.1 x 58 x 512) = 32,666 pages per key
     assert rows[0][:7] == ["0", "2", "58", "58", "32,666", "32,666", "32,666"]
     assert rows[1][:4] == ["1", "1", "29", "29"] and rows[1][4] == "16,333"
-    # the last stage's last layer kept unpaged: 28 layers pooled, ceil(1.1 x 28 x 512) pages
-    kept = plan(capsys, *model, "--pipeline-parallel", "2", "--microbatches", "8",
-                "--skip-immediate-backward")  # fmt: skip
+    # the default: the last stage's last layer kept unpaged, 28 layers pooled,
+    # ceil(1.1 x 28 x 512) pages
+    kept = plan(capsys, *model[:-1], "--pipeline-parallel", "2", "--microbatches", "8")
     kept_rows = [line.split() for line in kept.stdout.split("per stage:\n")[1].splitlines()[1:3]]
     assert kept_rows[0][3] == "58" and kept_rows[1][3:5] == ["28", "15,770"]
     assert lines[4].startswith("  in flight: microbatches forwarded and not yet backwarded")

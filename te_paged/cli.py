@@ -425,7 +425,7 @@ def _plan_parser(sub, common: argparse.ArgumentParser) -> None:
         "--skip-immediate-backward",
         action=argparse.BooleanOptionalAction,
         help="moe_paged_stash_skip_immediate_backward: the last layer, whose backward comes "
-        "first, stays out of the pool (not with --ring-of-experts; default: off)",
+        "first, stays out of the pool (not with --ring-of-experts; default: on)",
     )
     named.add_argument(
         "--seq-length", type=integer(1), help=f"sequence length ({md['seq_length']})"

@@ -126,7 +126,9 @@ def build(case: Case) -> tuple[torch.nn.Module, torch.nn.Module]:
     )
     overrides = {}
     if case.extra == "static_buffer":
-        overrides = {"moe_paged_stash": True, "moe_expert_rank_capacity_factor": 2.0}
+        overrides = {"moe_paged_stash": True, "moe_expert_rank_capacity_factor": 2.0,
+                     # one layer, whose backward follows at once: page it anyway (the point)
+                     "moe_paged_stash_skip_immediate_backward": False}  # fmt: skip
     ours = tpm.MegatronTEGroupedMLP(EXPERTS, config, overrides=overrides)
     tpm.load_megatron_expert_state_dict(ours, ref.state_dict())
     return ref, ours

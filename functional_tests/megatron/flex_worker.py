@@ -99,6 +99,7 @@ def build_layers(config, dropless_config) -> dict[str, torch.nn.Module]:
         "te_paged_stash": tpm.get_te_paged_moe_spec(
             config, moe_paged_stash=True, moe_paged_stash_page_size=8,
             moe_paged_stash_buffer_size_factor_cuda=4.0,
+            moe_paged_stash_skip_immediate_backward=False,  # one layer: page it (the point)
         )(config=config),
     }  # fmt: skip
     with own_dispatcher():

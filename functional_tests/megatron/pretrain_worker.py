@@ -168,6 +168,10 @@ datasets_provider.is_distributed = True
 # ------------------------------------------------------------------------------ one run
 
 
+def _stats(manager):
+    return manager.stats()
+
+
 class _Spies:
     """Per iteration: loss, grad norm, parameters after the step, the adapter's record;
     evaluation losses; Megatron's stash spies' counts."""
@@ -179,7 +183,8 @@ class _Spies:
         self.records: list[dict] = []
         self.eval_loss: list[float] = []
         self.loops: list = []
-        self.stashes: list[list[list[int]]] = []  # per record, per manager: [stashes, pops]
+        # per record, per manager: [stashes, pops, kept unpaged (skip_immediate_backward)]
+        self.stashes: list[list[list[int]]] = []
 
     @contextlib.contextmanager
     def on(self, counts: dict[str, int]):
@@ -200,7 +205,7 @@ class _Spies:
                 managers = paged_stash_managers(chunks)
                 for adapter in self.loops:
                     adapter.on_record = lambda record: self.stashes.append(
-                        [[s.stashes, s.pops] for s in (m.stats() for m in managers)]
+                        [[s.stashes, s.pops, s.stashes_skipped] for s in map(_stats, managers)]
                     )
             out = train_step(forward_step_func, data_iterator, model, *args, **kwargs)
             loss_reduced, grad_norm = out[0], out[5]

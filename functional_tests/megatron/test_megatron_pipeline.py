@@ -57,8 +57,10 @@ def test_an_over_budget_stage_reruns_the_whole_step_bitwise(ranks, schedule) -> 
 def test_each_stage_holds_its_in_flight_microbatches(ranks, schedule) -> None:
     """The capture step sizes each stage's pool from the schedule's peak of live rows: stage 0
     holds more microbatches in flight than stage 1 (1F1B: min(stages - rank, microbatches) =
-    2 vs 1 microbatches of 2 layers; interleaved: 5 vs 3 microbatch-chunks of 1 layer)."""
-    in_flight_layers = {"1f1b": {0: 4, 1: 2}, "interleaved": {0: 5, 1: 3}}[schedule]
+    2 vs 1 microbatches of 2 layers, of which stage 1 pages one: skip_immediate_backward, the
+    default, keeps the last layer of each microbatch there, its backward coming at once;
+    interleaved: 5 vs 3 microbatch-chunks of 1 layer)."""
+    in_flight_layers = {"1f1b": {0: 4, 1: 1}, "interleaved": {0: 5, 1: 3}}[schedule]
     per_layer = None
     for result in ranks:
         case = result[schedule]

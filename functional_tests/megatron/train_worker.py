@@ -68,6 +68,7 @@ def summary(run, reference=None) -> dict:
     out["loss"] = [s.loss for s in run.steps]
     stats = run.managers[0].stats() if run.managers else None
     out["stashes_pops"] = [stats.stashes, stats.pops] if stats else None
+    out["stashes_skipped"] = stats.stashes_skipped if stats else None
     out["capture_peak_pages"] = sum(stats.capture_peak_balanced_pages.values()) if stats else 0
     if reference is not None:
         out["equal"] = same_steps(run, reference)
@@ -155,10 +156,17 @@ def run_cases(rank: int, world: int, out: Path) -> dict:
         results["spill"] = summary(run, reference)
 
         for layer_recompute in ("full", "moe"):
-            cfg = config(layer_recompute=layer_recompute, buffer_factor_cuda=2.0)
+            # Paging forced: under recompute every layer's backward follows its (recomputed)
+            # forward at once, so the default (skip_immediate_backward) pages none of them.
+            cfg = config(layer_recompute=layer_recompute, buffer_factor_cuda=2.0,
+                         skip_immediate_backward=False)  # fmt: skip
             off = train(cfg, False, ep, cpu, rank)
             on = train(cfg, True, ep, cpu, rank)
             results[f"recompute_{layer_recompute}"] = summary(on, off)
+            if layer_recompute == "full":  # the default: every layer kept, none paged
+                default = config(layer_recompute="full", buffer_factor_cuda=2.0)
+                run = train(default, True, ep, cpu, rank)
+                results["recompute_full_default"] = summary(run, off)
 
         iterations = [0, 2, 3] if rank == world - 1 else [0, 1, 2]
         try:

@@ -39,6 +39,9 @@ STASH_OVERRIDES = {
     "moe_paged_stash": True,
     "moe_paged_stash_page_size": 8,
     "moe_paged_stash_buffer_size_factor_cuda": 4.0,
+    # One MoE layer, whose backward follows its forward at once: the default would keep it
+    # unpaged, and these tests are of the paging.
+    "moe_paged_stash_skip_immediate_backward": False,
 }
 # fp32 on CPU. Differences come only from the order of float operations (see the test), each
 # a few ulps of the compared value; 1e-5 relative is ~100 ulps of fp32 and 1e-6 absolute covers

@@ -174,7 +174,7 @@ class MoEConfig:
     moe_paged_stash_kernel_backend: str = "auto"
     # Keep unpaged the tensors of the layer whose backward follows its forward at once
     # (PagedStashManager's skip_immediate_backward).
-    moe_paged_stash_skip_immediate_backward: bool = False
+    moe_paged_stash_skip_immediate_backward: bool = True
 
     def __post_init__(self) -> None:
         # Normalise what construction was given (frozen: through object.__setattr__, here only).

@@ -424,7 +424,7 @@ def named_sizes(
     layers: int | None = None,
     ring_of_experts: bool = False,
     itemsize: int = 2,
-    skip_immediate_backward: bool = False,
+    skip_immediate_backward: bool = True,
 ) -> dict[str, float]:
     """Sizes per rank, in bytes, for a model with no run.
 
@@ -540,7 +540,7 @@ def pipeline_pool_plan(
     page_size: int = 64,
     buffer_factor: float = 1.10,
     capacity_factor: float = 2.0,
-    skip_immediate_backward: bool = False,
+    skip_immediate_backward: bool = True,
 ) -> list[StagePool]:
     """Each pipeline stage's in-flight peak and the pool its manager allocates after capture.
 

@@ -118,7 +118,7 @@ class PagedStashManager(PoolAllocation, Packing, StashReporting):
         stream_overlap: bool | None = None,
         reload_lookahead: int = 1,
         pool_group: dist.ProcessGroup | None = None,
-        skip_immediate_backward: bool = False,
+        skip_immediate_backward: bool = True,
     ) -> None:
         page_size = require_int("page_size", page_size, minimum=1)
         if page_size > _MAX_PAGE_SIZE:

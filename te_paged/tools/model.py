@@ -48,7 +48,7 @@ class ModelConfig:
     grow_pool: bool = True  # the runner's grow_pool (False: the pools as the factors size them)
     grow_capacity: bool = True  # the runner's grow_capacity (False: the wire stays put)
     kernel_backend: str = "auto"
-    skip_immediate_backward: bool = False  # moe_paged_stash_skip_immediate_backward
+    skip_immediate_backward: bool = True  # moe_paged_stash_skip_immediate_backward
 
     def moe_config(self, ep_size: int, paged: bool) -> MoEConfig:
         return MoEConfig(

@@ -23,7 +23,7 @@ MODEL_DEFAULTS: dict[str, object] = {
     "capacity_factor": 2.0,
     "buffer_factor_cuda": 1.1,
     "ring_of_experts": False,
-    "skip_immediate_backward": False,
+    "skip_immediate_backward": True,
     "page_size": 64,
     "pipeline_parallel": 1,
     "virtual_stages": None,  # 1F1B

@@ -44,7 +44,7 @@ def test_nvtx_range_uses_the_nvtx_package(monkeypatch) -> None:
 
 
 def test_timeline_tracks_pages_rows_and_fragmentation() -> None:
-    manager = PagedStashManager(page_size=4, record_timeline=True)
+    manager = PagedStashManager(page_size=4, record_timeline=True, skip_immediate_backward=False)
     for _ in range(2):
         manager.reset()
         outs = []

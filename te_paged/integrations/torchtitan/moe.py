@@ -96,7 +96,7 @@ class PagedGroupedExperts(GroupedExperts, PagedStashParticipant):
         moe_paged_stash_buffer_size_factor_cuda: float = 1.10
         moe_paged_stash_buffer_size_factor_cpu: float = 0.0
         moe_paged_stash_kernel_backend: str = "auto"
-        moe_paged_stash_skip_immediate_backward: bool = False
+        moe_paged_stash_skip_immediate_backward: bool = True
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
@@ -442,7 +442,7 @@ class PagedStashConverter(ModelConfigConverter):
         moe_paged_stash_buffer_size_factor_cuda: float = 1.10
         moe_paged_stash_buffer_size_factor_cpu: float = 0.0
         moe_paged_stash_kernel_backend: str = "auto"
-        moe_paged_stash_skip_immediate_backward: bool = False
+        moe_paged_stash_skip_immediate_backward: bool = True
 
         def stash_options(self) -> dict[str, Any]:
             names = (*_DISPATCH_FIELDS, *STASH_FIELDS)

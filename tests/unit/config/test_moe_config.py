@@ -59,7 +59,7 @@ def test_defaults() -> None:
         "params_dtype": torch.float32,
         "expert_model_parallel_size": 1,
         "moe_paged_stash_kernel_backend": "auto",
-        "moe_paged_stash_skip_immediate_backward": False,
+        "moe_paged_stash_skip_immediate_backward": True,
     }
     assert dataclasses.asdict(cfg) == expected
     assert {f.name for f in dataclasses.fields(MoEConfig)} == set(expected)

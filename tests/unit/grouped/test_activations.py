@@ -267,7 +267,7 @@ def test_paged_stash_is_bitwise_invisible(case: str, store: str | None) -> None:
     num_tokens = torch.tensor([n])
     kw = dict(paged_stash=True, fp8_input_store=store, num_rows=num_tokens)
     ref = _run(fused, x, probs, dy, **kw)  # no scope: nothing is paged
-    manager = PagedStashManager(page_size=16)
+    manager = PagedStashManager(page_size=16, skip_immediate_backward=False)
     for _step in range(2):  # capture step, then the captured (pooled) step
         manager.reset()
         xs, ps = x.clone().requires_grad_(), probs.clone().requires_grad_()

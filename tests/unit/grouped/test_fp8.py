@@ -223,7 +223,7 @@ def test_fp8_parts_round_trip_through_the_paged_stash(recipe: Fp8Recipe) -> None
     x[n:] = 7.0  # padding: excluded by num_rows, and not what comes back either
     num_tokens = torch.tensor([n])
     ref = quantize(x, recipe, num_tokens)
-    manager = PagedStashManager(page_size=16)
+    manager = PagedStashManager(page_size=16, skip_immediate_backward=False)
     data_key = StashKey(torch.float8_e4m3fn, hidden)
     scale_key = StashKey(torch.float8_e8m0fnu, hidden)  # hidden = numel / (64 / 32)
     mx = recipe is Fp8Recipe.MXFP8

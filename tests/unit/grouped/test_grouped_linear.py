@@ -379,7 +379,7 @@ def test_mxfp8_needs_rows_multiple_of_32():
 def test_paged_stash_is_bitwise_transparent(fp8_recipe):
     mod = _module(bias=True, fp8_recipe=fp8_recipe)
     splits = torch.tensor(SPLITS)
-    manager = PagedStashManager(page_size=4)
+    manager = PagedStashManager(page_size=4, skip_immediate_backward=False)
     for step in range(2):  # capture, then the allocated pool
         x, dy = _inputs(seed=10 + step, pad=float("nan"))
         ref = _run(mod, x, dy, splits)

@@ -126,7 +126,7 @@ def test_packed_data_and_block_scales_page_bitwise(host_tier) -> None:
     factors = (
         {"buffer_size_factor_cuda": -0.01, "buffer_size_factor_cpu": -2.0} if host_tier else {}
     )
-    manager = PagedStashManager(page_size=16, **factors)
+    manager = PagedStashManager(page_size=16, skip_immediate_backward=False, **factors)
     for _step in range(3):  # capture step, then pooled steps
         manager.reset()
         sink: list[Fp8Tensor] = []

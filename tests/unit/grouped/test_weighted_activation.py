@@ -132,7 +132,7 @@ def test_paged_stash_is_bitwise_invisible_for_every_activation(activation: Activ
     kw = {"activation": activation.function, "gated": activation.is_gated, "paged_stash": True}
     fn = lambda a, p: weighted_activation(a, p, **kw)
     ref = _run(fn, x, probs, dy)
-    manager = PagedStashManager(page_size=8)
+    manager = PagedStashManager(page_size=8, skip_immediate_backward=False)
     num_tokens = torch.tensor([n])
     for _step in range(2):  # capture, then the pooled step
         manager.reset()
@@ -185,7 +185,7 @@ def test_fused_squared_relu_marks_and_pages_its_two_saved_tensors() -> None:
     x[n:], probs[n:] = 0, 0
     fn = lambda a, p: fused_weighted_squared_relu(a, p, paged_stash=True)
     ref = _run(fn, x, probs, dy)
-    manager = PagedStashManager(page_size=8)
+    manager = PagedStashManager(page_size=8, skip_immediate_backward=False)
     for _step in range(2):
         manager.reset()
         with manager.scope(ROWS, torch.tensor([n]), n):

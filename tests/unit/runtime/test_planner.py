@@ -275,7 +275,7 @@ def test_capacity_model_matches_megatron_arithmetic() -> None:
     assert sizes["peak_saving_bytes"] == pytest.approx(reload_adjusted_saving(2.0, bf, s, 58))
     paged = named_sizes(
         NAMED_CONFIGS["deepseek-v3"], seq=4096, batch=1, ep=16, capacity_factor=2.0,
-        buffer_factor=1.1,
+        buffer_factor=1.1, skip_immediate_backward=False,
     )  # fmt: skip
     assert paged["predicted_saving_bytes"] == pytest.approx(0.9 * s)
     assert paged["peak_saving_bytes"] == pytest.approx((0.9 - 2.0 / 58) * s)

@@ -73,7 +73,9 @@ def run_model(manager: PagedStashManager | None, step: int, rows=40, hidden=16, 
 
 
 def test_gradients_bitwise_identical_with_and_without_stash() -> None:
-    manager = PagedStashManager(page_size=8, buffer_size_factor_cuda=1.5)
+    manager = PagedStashManager(
+        page_size=8, buffer_size_factor_cuda=1.5, skip_immediate_backward=False
+    )
     for step in range(3):
         manager.reset()
         on = run_model(manager, step)
@@ -88,7 +90,9 @@ def test_gradients_bitwise_identical_with_and_without_stash() -> None:
 
 
 def test_capture_learns_peaks_and_next_reset_allocates_once() -> None:
-    manager = PagedStashManager(page_size=8, buffer_size_factor_cuda=1.5)
+    manager = PagedStashManager(
+        page_size=8, buffer_size_factor_cuda=1.5, skip_immediate_backward=False
+    )
     run_model(manager, 0)
     stats = manager.stats()
     # three layers live at once: 3 x 17 actual rows, 3 x 20 balanced rows
@@ -119,7 +123,9 @@ def test_capture_learns_peaks_and_next_reset_allocates_once() -> None:
 def test_the_factors_sign_chooses_the_balanced_or_the_observed_peak(
     factor: float, pages: int
 ) -> None:
-    manager = PagedStashManager(page_size=6, buffer_size_factor_cuda=factor)
+    manager = PagedStashManager(
+        page_size=6, buffer_size_factor_cuda=factor, skip_immediate_backward=False
+    )
     run_model(manager, 0)
     stats = manager.stats()
     assert stats.capture_peak_balanced_pages == {"float32x16": 12}
@@ -136,7 +142,12 @@ def test_the_factors_sign_chooses_the_balanced_or_the_observed_peak(
 
 
 def test_a_negative_host_factor_sizes_the_host_tier_from_the_observed_peak() -> None:
-    manager = PagedStashManager(page_size=6, buffer_size_factor_cuda=0.2, buffer_size_factor_cpu=-2)
+    manager = PagedStashManager(
+        page_size=6,
+        buffer_size_factor_cuda=0.2,
+        buffer_size_factor_cpu=-2,
+        skip_immediate_backward=False,
+    )
     run_model(manager, 0)
     manager.reset()
     (buffer,) = manager.buffers.values()
@@ -145,13 +156,13 @@ def test_a_negative_host_factor_sizes_the_host_tier_from_the_observed_peak() -> 
 
 
 def test_capture_step_holds_only_actual_rows() -> None:
-    manager = PagedStashManager(page_size=8)
+    manager = PagedStashManager(page_size=8, skip_immediate_backward=False)
     run_model(manager, 0)
     assert manager.stats().bytes_stashed == 3 * 17 * 16 * 4  # 3 layers x 17 rows, not 40
 
 
 def test_unmarked_tensors_pass_through_untouched() -> None:
-    manager = PagedStashManager(page_size=4)
+    manager = PagedStashManager(page_size=4, skip_immediate_backward=False)
     x = torch.randn(8, 4, requires_grad=True)
     y = x * 2  # non-leaf, requires grad
     Keep.seen.clear()
@@ -165,7 +176,7 @@ def test_unmarked_tensors_pass_through_untouched() -> None:
 
 def test_recompute_managed_views_are_left_alone() -> None:
     # GroupedLinear reshapes/splits its input before saving: the marker must be storage-level.
-    manager = PagedStashManager(page_size=4)
+    manager = PagedStashManager(page_size=4, skip_immediate_backward=False)
     act = torch.randn(8, 6)
     mark_recompute_managed(act)
     view = act.reshape(16, 3)
@@ -179,7 +190,7 @@ def test_recompute_managed_views_are_left_alone() -> None:
 
 
 def test_non_divisible_numel_is_a_clear_error() -> None:
-    manager = PagedStashManager(page_size=4)
+    manager = PagedStashManager(page_size=4, skip_immediate_backward=False)
     t = torch.randn(7, 3, requires_grad=True)
     mark_grouped_tensor(t)
     with manager.scope(8, torch.tensor(2), 4), pytest.raises(ValueError, match="21 elements"):
@@ -190,7 +201,7 @@ def test_non_divisible_numel_is_a_clear_error() -> None:
 def test_a_marked_tensor_that_is_not_token_major_is_refused(shape) -> None:
     # Before: numel 32 divides by the 8 rows, so a transposed [4, 8] or flattened tensor was
     # paged as [8, 4] rows and a prefix of "rows" kept: elements lost without a word.
-    manager = PagedStashManager(page_size=4)
+    manager = PagedStashManager(page_size=4, skip_immediate_backward=False)
     t = torch.randn(*shape, requires_grad=True)
     mark_grouped_tensor(t)
     with manager.scope(8, torch.tensor(2), 4), pytest.raises(ValueError, match="not token-major"):
@@ -198,7 +209,7 @@ def test_a_marked_tensor_that_is_not_token_major_is_refused(shape) -> None:
 
 
 def test_scale_inverse_needs_a_budget_multiple_of_32() -> None:
-    manager = PagedStashManager(page_size=4)
+    manager = PagedStashManager(page_size=4, skip_immediate_backward=False)
     s = torch.randn(2, 3, requires_grad=True)
     mark_grouped_tensor(s, scale_inv=True)
     with manager.scope(48, torch.tensor(2), 4), pytest.raises(ValueError, match="multiple of 32"):
@@ -206,7 +217,7 @@ def test_scale_inverse_needs_a_budget_multiple_of_32() -> None:
 
 
 def test_scale_inverse_is_paged_with_rows_over_32() -> None:
-    manager = PagedStashManager(page_size=2)
+    manager = PagedStashManager(page_size=2, skip_immediate_backward=False)
     for step in range(2):
         manager.reset()
         s = torch.randn(4, 3, requires_grad=True)  # 128 tokens -> 4 scale rows
@@ -221,7 +232,7 @@ def test_scale_inverse_is_paged_with_rows_over_32() -> None:
 
 
 def test_key_not_seen_in_capture_is_a_lifecycle_error() -> None:
-    manager = PagedStashManager(page_size=4)
+    manager = PagedStashManager(page_size=4, skip_immediate_backward=False)
     run_model(manager, 0)
     manager.reset()
     t = torch.randn(8, 5, requires_grad=True)
@@ -231,7 +242,7 @@ def test_key_not_seen_in_capture_is_a_lifecycle_error() -> None:
 
 
 def test_scopes_do_not_nest_and_reset_outside_scope_only() -> None:
-    manager = PagedStashManager(page_size=4)
+    manager = PagedStashManager(page_size=4, skip_immediate_backward=False)
     with manager.scope(8, torch.tensor(2), 4):
         with pytest.raises(RuntimeError, match="nest"), manager.scope(8, torch.tensor(2), 4):
             pass
@@ -240,7 +251,7 @@ def test_scopes_do_not_nest_and_reset_outside_scope_only() -> None:
 
 
 def test_scope_validates_its_arguments() -> None:
-    manager = PagedStashManager(page_size=4)
+    manager = PagedStashManager(page_size=4, skip_immediate_backward=False)
     with pytest.raises(TypeError, match="one-element integer tensor"), manager.scope(8, 3, 4):
         pass
     bad = torch.tensor(2.0)
@@ -258,7 +269,9 @@ def test_scope_validates_its_arguments() -> None:
 
 
 def test_too_small_pool_overflows_without_crashing() -> None:
-    manager = PagedStashManager(page_size=8, buffer_size_factor_cuda=0.2)
+    manager = PagedStashManager(
+        page_size=8, buffer_size_factor_cuda=0.2, skip_immediate_backward=False
+    )
     run_model(manager, 0)
     manager.reset()
     run_model(manager, 1)  # runs to the end; results are invalid and flagged
@@ -267,7 +280,12 @@ def test_too_small_pool_overflows_without_crashing() -> None:
 
 
 def test_host_tier_takes_what_the_device_pool_cannot() -> None:
-    manager = PagedStashManager(page_size=8, buffer_size_factor_cuda=0.2, buffer_size_factor_cpu=2)
+    manager = PagedStashManager(
+        page_size=8,
+        buffer_size_factor_cuda=0.2,
+        buffer_size_factor_cpu=2,
+        skip_immediate_backward=False,
+    )
     run_model(manager, 0)
     for step in (1, 2):
         manager.reset()
@@ -279,7 +297,7 @@ def test_host_tier_takes_what_the_device_pool_cannot() -> None:
 
 @pytest.mark.parametrize("num_tokens", [9, -1])
 def test_counts_the_buffer_cannot_hold_are_invalid_in_both_modes(num_tokens: int) -> None:
-    manager = PagedStashManager(page_size=4)
+    manager = PagedStashManager(page_size=4, skip_immediate_backward=False)
     for _ in range(2):  # the capture step, then the kernels
         manager.reset()
         t = torch.randn(8, 2, requires_grad=True)
@@ -292,14 +310,14 @@ def test_counts_the_buffer_cannot_hold_are_invalid_in_both_modes(num_tokens: int
 
 
 def test_disabled_manager_installs_no_hooks() -> None:
-    manager = PagedStashManager(page_size=4)
+    manager = PagedStashManager(page_size=4, skip_immediate_backward=False)
     with manager.disabled():
         run_model(manager, 0)
     assert manager.stats().stashes == 0
 
 
 def test_release_frees_pools_and_reset_reallocates() -> None:
-    manager = PagedStashManager(page_size=8)
+    manager = PagedStashManager(page_size=8, skip_immediate_backward=False)
     run_model(manager, 0)
     manager.reset()
     assert manager.stats().pool_bytes > 0
@@ -348,7 +366,7 @@ def test_manager_rejects_bad_arguments(kwargs, error, match) -> None:
 
 
 def test_tensor_marked_by_transformer_engine_is_paged() -> None:
-    manager = PagedStashManager(page_size=4)
+    manager = PagedStashManager(page_size=4, skip_immediate_backward=False)
     for _ in range(2):
         manager.reset()
         t = torch.randn(8, 3, requires_grad=True)
@@ -376,7 +394,7 @@ def _train_steps(manager: PagedStashManager, steps: int, reset: bool) -> None:
 def test_a_step_without_reset_warns_once(captured) -> None:
     # Never reset (capture mode for ever), or reset once after the capture step (the pool is
     # allocated, then later steps keep stale pages and flags).
-    manager = PagedStashManager(page_size=8)
+    manager = PagedStashManager(page_size=8, skip_immediate_backward=False)
     if captured:
         run_model(manager, 0)
         manager.reset()
@@ -387,7 +405,7 @@ def test_a_step_without_reset_warns_once(captured) -> None:
 
 
 def test_steps_with_reset_do_not_warn() -> None:
-    manager = PagedStashManager(page_size=8)
+    manager = PagedStashManager(page_size=8, skip_immediate_backward=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _train_steps(manager, 3, reset=True)
@@ -411,7 +429,7 @@ def _forward(manager: PagedStashManager, step: int = 0):
 def test_backward_after_a_step_boundary_raises_instead_of_reading_reused_pages(captured, what):
     # Before: reset() between a forward and its backward let backward reload pages that the
     # next stash had overwritten, and the free list ended with more pages than the pool.
-    manager = PagedStashManager(page_size=8)
+    manager = PagedStashManager(page_size=8, skip_immediate_backward=False)
     if captured:
         _forward(manager).sum().backward()
         manager.reset()
@@ -431,7 +449,7 @@ def test_backward_after_a_step_boundary_raises_instead_of_reading_reused_pages(c
 
 
 def test_a_graph_dropped_without_backward_does_not_block_reset() -> None:
-    manager = PagedStashManager(page_size=8)
+    manager = PagedStashManager(page_size=8, skip_immediate_backward=False)
     _forward(manager).sum().backward()
     manager.reset()
     _forward(manager, 1)  # e.g. an evaluation forward with grad on: the graph dies here
@@ -464,7 +482,9 @@ def test_a_page_larger_than_every_saved_tensor_warns_at_allocation() -> None:
                       r"0.0038% of it"):  # fmt: skip
         manager.reset()
     # the usual page of 64 rows, a little over the buffers: said as it is, 62 % (40 / 64)
-    near = PagedStashManager(page_size=64, buffer_size_factor_cuda=1.0)
+    near = PagedStashManager(
+        page_size=64, buffer_size_factor_cuda=1.0, skip_immediate_backward=False
+    )
     run_model(near, 0)
     with pytest.warns(UserWarning, match=r"than 40 rows: each takes a whole page and fills at "
                       r"most 62% of it"):  # fmt: skip
@@ -472,7 +492,7 @@ def test_a_page_larger_than_every_saved_tensor_warns_at_allocation() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         manager.reset()  # once, at the first allocation
-        fine = PagedStashManager(page_size=8)
+        fine = PagedStashManager(page_size=8, skip_immediate_backward=False)
         run_model(fine, 0)
         fine.reset()
 

@@ -37,7 +37,7 @@ def test_default_device_is_cuda_current_device_when_cuda_is_available(monkeypatc
 
 def test_manager_and_from_config_default_to_the_current_device(monkeypatch) -> None:
     here = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    assert PagedStashManager(page_size=4).device == here
+    assert PagedStashManager(page_size=4, skip_immediate_backward=False).device == here
     assert PagedStashManager.from_config(_config()).device == here
     # The default is resolved by _current_device, not a hard-coded "cpu": patched, it is used.
     seen = []
@@ -52,7 +52,7 @@ def test_manager_and_from_config_default_to_the_current_device(monkeypatch) -> N
 
 
 def test_num_tokens_on_another_device_is_a_value_error_naming_both() -> None:
-    manager = PagedStashManager(page_size=4, device="cpu")
+    manager = PagedStashManager(page_size=4, device="cpu", skip_immediate_backward=False)
     with pytest.raises(ValueError) as caught:
         with manager.scope(8, torch.tensor([5], device="meta"), 4):
             pass
@@ -63,7 +63,7 @@ def test_num_tokens_on_another_device_is_a_value_error_naming_both() -> None:
 
 
 def test_saved_tensor_on_another_device_is_a_value_error() -> None:
-    manager = PagedStashManager(page_size=4, device="cpu")
+    manager = PagedStashManager(page_size=4, device="cpu", skip_immediate_backward=False)
     t = torch.empty(8, 3, device="meta", requires_grad=True)
     mark_grouped_tensor(t)
     with pytest.raises(ValueError, match="a marked saved tensor is on meta but this "
@@ -73,7 +73,7 @@ def test_saved_tensor_on_another_device_is_a_value_error() -> None:
 
 
 def test_tensors_on_the_managers_device_pass_the_check() -> None:
-    manager = PagedStashManager(page_size=4, device="cpu")
+    manager = PagedStashManager(page_size=4, device="cpu", skip_immediate_backward=False)
     t = torch.randn(8, 3, requires_grad=True)
     mark_grouped_tensor(t)
     for _ in range(2):  # capture, then paged

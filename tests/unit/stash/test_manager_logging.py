@@ -25,7 +25,9 @@ def _step(manager: PagedStashManager) -> None:
 
 def test_pool_sizing_after_the_capture_step_is_logged_at_info(caplog) -> None:
     caplog.set_level(logging.DEBUG, logger="te_paged")
-    manager = PagedStashManager(page_size=4, buffer_size_factor_cuda=1.5, device="cpu")
+    manager = PagedStashManager(
+        page_size=4, buffer_size_factor_cuda=1.5, device="cpu", skip_immediate_backward=False
+    )
     _step(manager)  # capture: nothing allocated, nothing said
     assert [r for r in caplog.records if r.name == LOGGER] == []
     _step(manager)  # the reset allocates: ceil(1.5 x 2) = 3 pages of 4 rows x 3 floats
@@ -43,7 +45,9 @@ def test_pool_sizing_after_the_capture_step_is_logged_at_info(caplog) -> None:
 
 
 def test_reallocation_after_release_is_logged_at_info(caplog) -> None:
-    manager = PagedStashManager(page_size=4, buffer_size_factor_cuda=1.5, device="cpu")
+    manager = PagedStashManager(
+        page_size=4, buffer_size_factor_cuda=1.5, device="cpu", skip_immediate_backward=False
+    )
     _step(manager)
     _step(manager)
     caplog.set_level(logging.DEBUG, logger="te_paged")

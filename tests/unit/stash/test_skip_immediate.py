@@ -20,7 +20,7 @@ def _manager(**kw) -> PagedStashManager:
 
 
 def test_last_layer_kept_gradients_bitwise_and_pool_smaller() -> None:
-    on, off = _manager(skip_immediate_backward=True), _manager()
+    on, off = _manager(), _manager(skip_immediate_backward=False)  # on: the default
     for step in range(3):
         on.reset()
         off.reset()

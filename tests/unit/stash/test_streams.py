@@ -33,7 +33,12 @@ ROWS, HIDDEN, LAYERS = 40, 16, 3
 
 
 def _manager(fake: RecordingStreams | None, lookahead: int = 1) -> PagedStashManager:
-    m = PagedStashManager(page_size=8, buffer_size_factor_cuda=1.5, reload_lookahead=lookahead)
+    m = PagedStashManager(
+        page_size=8,
+        buffer_size_factor_cuda=1.5,
+        reload_lookahead=lookahead,
+        skip_immediate_backward=False,
+    )
     if fake is not None:
         m._streams = fake
     return m
