@@ -387,6 +387,12 @@ def _plan_parser(sub, common: argparse.ArgumentParser) -> None:
         default=2,
         help="bytes per stashed element: 1 FP8, 2 bf16, 4 fp32 (%(default)s)",
     )
+    plan.add_argument(
+        "--fp8",
+        choices=["tensorwise", "mxfp8", "nvfp4"],
+        help="MoEConfig.fp8: the FC1 and FC2 inputs stored in that format, scales included "
+        "(tensorwise 1 byte an element, mxfp8 1 + 1/32, nvfp4 4.5 bits; default: none)",
+    )
     prof = plan.add_argument_group("with --profile")
     prof.add_argument(
         "--target-rerun-rate",

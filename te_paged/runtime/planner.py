@@ -43,6 +43,7 @@ import dataclasses
 import json
 import math
 from collections.abc import Sequence
+from fractions import Fraction
 from pathlib import Path
 
 from te_paged.runtime.schedules import InFlight, PipelineConfig, in_flight
@@ -386,14 +387,24 @@ def recommend(
 
 
 def stashed_bytes_per_token(
-    hidden: int, ffn: int, *, gated: bool = True, itemsize: int = 2, fp8: bool = False
-) -> int:
+    hidden: int,
+    ffn: int,
+    *,
+    gated: bool = True,
+    itemsize: int = 2,
+    fp8: str | None = None,
+    fp8_activation_input: bool = False,
+) -> float:
     """Bytes the expert MLP saves per routed token: FC1 input (H), activation input (2F gated),
-    probability (4 bytes, fp32), FC2 input (F). FP8 storage keeps one byte per element (plus
-    MXFP8 scales, ignored here: 1/32 of a byte per element)."""
-    size = 1 if fp8 else itemsize
-    act_in = (2 if gated else 1) * ffn
-    return (hidden + act_in + ffn) * size + 4
+    probability (4 bytes, fp32), FC2 input (F), stored as :func:`expert_mlp_saved_tensors`
+    says (``fp8``: the FC1 and FC2 inputs at the recipe's bytes, scales included: 1 byte an
+    element tensorwise, 1 + 1/32 MXFP8, 0.5 + 1/16 NVFP4, i.e. 4.5 bits)."""
+    saved = expert_mlp_saved_tensors(
+        hidden, ffn, gated=gated, itemsize=itemsize, fp8=fp8,
+        fp8_activation_input=fp8_activation_input,
+    )  # fmt: skip
+    total = sum(Fraction(t.row_bytes, t.tokens_per_row) for t in saved)
+    return int(total) if total.denominator == 1 else float(total)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -425,6 +436,7 @@ def named_sizes(
     ring_of_experts: bool = False,
     itemsize: int = 2,
     skip_immediate_backward: bool = True,
+    fp8: str | None = None,
 ) -> dict[str, float]:
     """Sizes per rank, in bytes, for a model with no run.
 
@@ -435,7 +447,9 @@ def named_sizes(
 
     ``skip_immediate_backward`` (``moe_paged_stash_skip_immediate_backward``; not for the ring
     of experts, whose JAX port pages every layer) keeps the last layer, whose backward comes
-    first, out of the pool: it holds ``(L − 1)/L`` of ``buffer_factor × S``.
+    first, out of the pool: it holds ``(L − 1)/L`` of ``buffer_factor × S``. ``fp8`` (a
+    recipe of ``MoEConfig.fp8``) prices the FC1 and FC2 inputs as
+    :func:`expert_mlp_saved_tensors` stores them (NVFP4: 4.5 bits an element).
     """
 
     layers = cfg.moe_layers if layers is None else layers
@@ -446,7 +460,7 @@ def named_sizes(
         balanced = batch * seq * cfg.top_k
         worst = math.ceil(balanced * capacity_factor)
     row = cfg.hidden * itemsize  # one saved activation of width H, e.g. the FC2 output
-    per_token = stashed_bytes_per_token(cfg.hidden, cfg.ffn, itemsize=itemsize)
+    per_token = stashed_bytes_per_token(cfg.hidden, cfg.ffn, itemsize=itemsize, fp8=fp8)
     s_bytes = balanced * per_token * layers
     bf = buffer_factor * (layers - 1) / layers if skip_immediate_backward else buffer_factor
     return {
@@ -466,6 +480,8 @@ def named_sizes(
 
 #: The dtype a stashed element of ``itemsize`` bytes stands for, as pool keys name it.
 _DTYPE_NAMES = {1: "float8_e4m3fn", 2: "bfloat16", 4: "float32"}
+#: ``MoEConfig.fp8``'s recipes (te_paged.grouped.fp8.Fp8Recipe), and None.
+_FP8_RECIPES = (None, "tensorwise", "mxfp8", "nvfp4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -480,21 +496,51 @@ class SavedTensor:
 
 
 def expert_mlp_saved_tensors(
-    hidden: int, ffn: int, *, gated: bool = True, itemsize: int = 2
+    hidden: int,
+    ffn: int,
+    *,
+    gated: bool = True,
+    itemsize: int = 2,
+    fp8: str | None = None,
+    fp8_activation_input: bool = False,
 ) -> tuple[SavedTensor, ...]:
     """What te_paged's expert MLP stashes per layer (the tensors of
-    :func:`stashed_bytes_per_token`): FC1 input ``[rows, H]``, activation input ``[rows, 2F]``
-    (``F`` not gated), probabilities ``[rows, 1]`` fp32, FC2 input ``[rows, F]``, the
-    activations of ``itemsize`` bytes (1 for FP8: MXFP8 scales ignored, as there)."""
+    :func:`stashed_bytes_per_token`), in the order its manager meets them: FC1 input
+    ``[rows, H]``, activation input ``[rows, 2F]`` (``F`` not gated), probabilities
+    ``[rows, 1]`` fp32, FC2 input ``[rows, F]``, the activations of ``itemsize`` bytes. With an
+    ``fp8`` recipe (``MoEConfig.fp8``) the FC1 and FC2 inputs, and with
+    ``fp8_activation_input`` (``activation_func_fp8_input_store``) the activation input, are
+    stored as :class:`~te_paged.grouped.fp8.Fp8Tensor` pages them: ``tensorwise`` e4m3 data;
+    ``mxfp8`` e4m3 data and an e8m0 scale per 32 rows of a column (one scale row per 32
+    tokens); ``nvfp4`` E2M1 data packed two to a byte and an e4m3 scale per 16 elements of a
+    row — 4.5 bits an element (the float32 per-tensor scale rides with the record)."""
     if itemsize not in _DTYPE_NAMES:
         raise ValueError(f"itemsize must be one of {sorted(_DTYPE_NAMES)}, got {itemsize!r}")
+    if fp8 not in _FP8_RECIPES:
+        raise ValueError(f"fp8 must be one of {_FP8_RECIPES[1:]} or None, got {fp8!r}")
+    if fp8_activation_input and fp8 is None:
+        raise ValueError("fp8_activation_input needs an fp8 recipe")
     name = _DTYPE_NAMES[itemsize]
     act_in = (2 if gated else 1) * ffn
+
+    def stored(width: int, quantised: bool) -> list[SavedTensor]:
+        if not quantised:
+            return [SavedTensor(f"{name}x{width}", width * itemsize)]
+        if fp8 == "tensorwise":
+            return [SavedTensor(f"float8_e4m3fnx{width}", width)]
+        if fp8 == "mxfp8":
+            return [SavedTensor(f"float8_e4m3fnx{width}", width),
+                    SavedTensor(f"float8_e8m0fnux{width}", width, tokens_per_row=32)]  # fmt: skip
+        if width % 16:
+            raise ValueError(f"NVFP4 scales blocks of 16 elements: width {width} is not a multiple")
+        return [SavedTensor(f"uint8x{width // 2}", width // 2),
+                SavedTensor(f"float8_e4m3fnx{width // 16}", width // 16)]  # fmt: skip
+
     return (
-        SavedTensor(f"{name}x{hidden}", hidden * itemsize),
-        SavedTensor(f"{name}x{act_in}", act_in * itemsize),
+        *stored(hidden, fp8 is not None),
+        *stored(act_in, fp8_activation_input),
         SavedTensor("float32x1", 4),
-        SavedTensor(f"{name}x{ffn}", ffn * itemsize),
+        *stored(ffn, fp8 is not None),
     )
 
 

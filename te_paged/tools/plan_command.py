@@ -70,6 +70,10 @@ def check_plan_args(args: argparse.Namespace) -> str | None:
         return _check_pipeline(args, planner.NAMED_CONFIGS[args.model].moe_layers)
     if (args.hidden is None) != (args.ffn is None):
         return "give both --hidden and --ffn (for the memory of each choice), or neither"
+    if args.fp8 == "nvfp4" and args.hidden and (args.hidden % 16 or args.ffn % 16):
+        return (
+            "--fp8 nvfp4 scales blocks of 16 elements: --hidden and --ffn must be multiples of 16"
+        )
     try:
         args.loaded_profile = planner.RoutingProfile.load(args.profile)
     except FileNotFoundError:
@@ -133,12 +137,14 @@ def _run_model(args: argparse.Namespace) -> int:
         ring_of_experts=args.ring_of_experts,
         itemsize=args.dtype_bytes,
         skip_immediate_backward=args.skip_immediate_backward and not args.ring_of_experts,
+        fp8=args.fp8,
     )
     layers = args.layers or cfg.moe_layers
     print(
         f"{cfg.name}: hidden {cfg.hidden}, ffn {cfg.ffn}, top-{cfg.top_k}, {layers} MoE "
         f"layers, micro-batch {args.micro_batch_size}, seq {args.seq_length}, EP {args.ep}"
         f"{', ring of experts' if args.ring_of_experts else ''}"
+        f"{f', FC1 and FC2 inputs stored {args.fp8}' if args.fp8 else ''}"
     )
     effective = s["worst_case_rows"] / s["balanced_rows"]
     kept = (
@@ -188,7 +194,9 @@ def _print_stages(args: argparse.Namespace, cfg, sizes: dict[str, float], layers
         microbatch_group_size=args.microbatch_group_size,
         num_layers=layers,
         balanced_rows=int(sizes["balanced_rows"]),
-        saved=planner.expert_mlp_saved_tensors(cfg.hidden, cfg.ffn, itemsize=args.dtype_bytes),
+        saved=planner.expert_mlp_saved_tensors(
+            cfg.hidden, cfg.ffn, itemsize=args.dtype_bytes, fp8=args.fp8
+        ),
         page_size=args.page_size,
         buffer_factor=args.buffer_factor_cuda,
         capacity_factor=cf,
@@ -253,7 +261,9 @@ def run_plan_command(args: argparse.Namespace) -> int:
         )
     bpt = None
     if args.hidden and args.ffn:
-        bpt = planner.stashed_bytes_per_token(args.hidden, args.ffn, itemsize=args.dtype_bytes)
+        bpt = planner.stashed_bytes_per_token(
+            args.hidden, args.ffn, itemsize=args.dtype_bytes, fp8=args.fp8
+        )
     choice = planner.recommend(
         profile,
         rate,

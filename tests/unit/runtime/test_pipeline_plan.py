@@ -37,6 +37,51 @@ def test_expert_mlp_saved_tensors_are_the_bytes_per_token() -> None:
         expert_mlp_saved_tensors(8, 8, itemsize=3)
 
 
+@pytest.mark.parametrize(
+    ("fp8", "activation_input"),
+    [(None, False), ("tensorwise", False), ("tensorwise", True), ("mxfp8", False),
+     ("mxfp8", True), ("nvfp4", False), ("nvfp4", True)],
+)  # fmt: skip
+def test_the_planners_tensors_are_what_the_manager_pages(fp8, activation_input) -> None:
+    """The keys, rows and bytes per token the planner prices (NVFP4: 4.5 bits an element) are
+    the pools a real MoE layer's capture step fills, for every storage recipe."""
+    import torch
+
+    from te_paged.moe import MoELayer
+
+    cfg = config(
+        moe_paged_stash=True,
+        params_dtype=torch.bfloat16,
+        fp8=fp8,
+        activation_func_fp8_input_store=activation_input,
+    )
+    manager = PagedStashManager.from_config(cfg, "cpu")
+    layer = MoELayer(cfg, None, manager, seed=0)
+    tokens = 64
+    manager.reset()
+    x = torch.randn(tokens, cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    out = layer(x)
+    (out[0] if isinstance(out, tuple) else out).float().sum().backward()
+    rows = {str(k): n for k, n in manager.stats().capture_peak_rows.items()}
+    routed = tokens * cfg.moe_router_topk
+    saved = expert_mlp_saved_tensors(
+        cfg.hidden_size, cfg.moe_ffn_hidden_size, itemsize=2, fp8=fp8,
+        fp8_activation_input=activation_input,
+    )  # fmt: skip
+    # One pool per key, in the order the manager met them; every routed row stashed once.
+    assert list(rows) == list(dict.fromkeys(t.key for t in saved)), (rows, saved)
+    assert rows == {t.key: math.ceil(routed / t.tokens_per_row) for t in saved}
+    widths = {str(k): k.row_bytes for k in manager.keys}
+    assert widths == {t.key: t.row_bytes for t in saved}
+    per_token = stashed_bytes_per_token(
+        cfg.hidden_size, cfg.moe_ffn_hidden_size, fp8=fp8, fp8_activation_input=activation_input
+    )
+    h, f = cfg.hidden_size, cfg.moe_ffn_hidden_size
+    elements = {None: 2, "tensorwise": 1, "mxfp8": 1 + 1 / 32, "nvfp4": 4.5 / 8}[fp8]
+    act = 2 * f * (elements if activation_input else 2)
+    assert per_token == pytest.approx((h + f) * elements + act + 4)
+
+
 def test_hand_worked_1f1b_stage_pools() -> None:
     # P 2, M 4, 4 layers (2 per stage), 100 balanced rows, pages of 64 rows: each tensor takes
     # ceil(100 / 64) = 2 pages. Stage 0 holds 2 microbatches = 4 layers: 8 pages per key, pool
