@@ -5,7 +5,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV=${VENV:-.venv}
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 PY="$VENV/bin/python"
-# pip compiles what it installs to bytecode on one core: 14 s of torch's 22 s here. torch and
+# pip compiles what it installs to bytecode on one core, most of torch's install time. torch and
 # what comes with it install without that, and are compiled on every core in the background
 # while the next installs run (those compile their own). `wait "$torch_bytecode"` before
 # starting a process that imports torch, or it reads the sources.

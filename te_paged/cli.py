@@ -38,31 +38,13 @@ import sys
 import traceback
 from pathlib import Path
 
-from te_paged.tools.argtypes import OneLineParser, integer, real
+from te_paged.tools.argtypes import MEGATRON_ALIASES, OneLineParser, integer, knob, real
 
 __all__ = ["MEGATRON_ALIASES", "main"]
 
 #: Megatron's names of each knob, accepted as aliases of te_paged's: Megatron-LM's command-line
 #: flag, and for the pipeline layout also Megatron-core's name (``ModelParallelConfig``'s
 #: ``virtual_pipeline_model_parallel_size``, ``forward_backward_func``'s ``num_microbatches``).
-MEGATRON_ALIASES: dict[str, tuple[str, ...]] = {
-    "--capacity-factor": ("--moe-expert-rank-capacity-factor",),
-    "--buffer-factor-cuda": ("--moe-paged-stash-buffer-size-factor-cuda",),
-    "--buffer-factor-cpu": ("--moe-paged-stash-buffer-size-factor-cpu",),
-    "--page-size": ("--moe-paged-stash-page-size",),
-    "--pipeline-parallel": ("--pipeline-model-parallel-size",),
-    "--virtual-stages": (
-        "--virtual-pipeline-model-parallel-size",
-        "--num-virtual-stages-per-pipeline-rank",
-    ),
-    "--microbatches": ("--num-microbatches",),
-    "--microbatch-group-size": ("--microbatch-group-size-per-virtual-pipeline-stage",),
-}
-
-
-def _knob(g, flag: str, **kw) -> argparse.Action:
-    """Add ``flag`` (and its Megatron aliases) parsed into the attribute of its own name."""
-    return g.add_argument(flag, *MEGATRON_ALIASES[flag], dest=flag[2:].replace("-", "_"), **kw)
 
 
 def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
@@ -116,7 +98,7 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
     if engines and j.tokens != d.tokens:
         megatron_note += f"; jax engine {j.tokens}"
     g.add_argument("--tokens", type=integer(1), help=f"tokens per rank ({d.tokens}{megatron_note})")
-    _knob(
+    knob(
         g,
         "--capacity-factor",
         type=real(0, strict_min=True),
@@ -134,7 +116,7 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
             "needs (default: auto, --capacity-factor until the largest pair demand stops "
             "rising, at most 8 steps, then that demand x 1.10; not with the jax engine)",
         )
-    _knob(
+    knob(
         g,
         "--buffer-factor-cuda",
         type=real(0, strict_min=True),
@@ -142,7 +124,7 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
         help="moe_paged_stash_buffer_size_factor_cuda: the CUDA pool over the balanced case "
         f"({dflt('buffer_factor_cuda')})",
     )
-    _knob(
+    knob(
         g,
         "--buffer-factor-cpu",
         type=real(0),
@@ -150,7 +132,7 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
         help="moe_paged_stash_buffer_size_factor_cpu: the host tier, 0 for none "
         f"({dflt('buffer_factor_cpu')})",
     )
-    _knob(
+    knob(
         g,
         "--page-size",
         type=integer(1),
@@ -252,13 +234,13 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
         type=integer(1),
         help=f"sequences per microbatch ({m.micro_batch_size}; megatron and torchtitan only)",
     )
-    _knob(
+    knob(
         e,
         "--microbatches",
         type=integer(1),
         help=f"microbatches per step, gradient accumulation ({m.microbatches}; megatron only)",
     )
-    _knob(
+    knob(
         e,
         "--pipeline-parallel",
         type=integer(1),
@@ -266,7 +248,7 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
         "megatron only; the expert-parallel size defaults to the ranks of one stage); the "
         "memory table is per stage",
     )
-    _knob(
+    knob(
         e,
         "--virtual-stages",
         type=integer(1),
@@ -355,165 +337,6 @@ def _ab_parser(sub, common: argparse.ArgumentParser) -> None:
     run.add_argument("--force", action="store_true", help="overwrite existing output files")
 
 
-def _plan_parser(sub, common: argparse.ArgumentParser) -> None:
-    from te_paged.tools.plan_command import MODEL_DEFAULTS as md
-    from te_paged.tools.plan_command import PROFILE_DEFAULTS as pd
-
-    plan = sub.add_parser(
-        "plan",
-        parents=[common],
-        help="recommend capacity and buffer factors",
-        description="Recommend the capacity factors to start from (te_paged's wire and "
-        "expert buffer, HybridEP's receive budget in Megatron and torchtitan) and the stash "
-        "buffer factors from a routing profile, or print a named model's sizes without "
-        "running it.",
-    )
-    source = plan.add_argument_group("what to plan from (exactly one)")
-    source = source.add_mutually_exclusive_group()
-    source.add_argument(
-        "--profile",
-        type=Path,
-        help="routing profile (.json or .csv); counts by source rank (as `ab --record-profile` "
-        "and PagedStashRunner(record_routing=True) record them) make the capacity factor exact, "
-        "per-expert totals a lower bound",
-    )
-    source.add_argument(
-        "--model", choices=["deepseek-v3"], help="a named configuration's sizes, without a run"
-    )
-    plan.add_argument(
-        "--dtype-bytes",
-        type=int,
-        choices=[1, 2, 4],
-        default=2,
-        help="bytes per stashed element: 1 FP8, 2 bf16, 4 fp32 (%(default)s)",
-    )
-    plan.add_argument(
-        "--fp8",
-        choices=["tensorwise", "mxfp8", "nvfp4"],
-        help="MoEConfig.fp8: the FC1 and FC2 inputs stored in that format, scales included "
-        "(tensorwise 1 byte an element, mxfp8 1 + 1/32, nvfp4 4.5 bits; default: none)",
-    )
-    prof = plan.add_argument_group("with --profile")
-    prof.add_argument(
-        "--target-rerun-rate",
-        type=real(0, 1, strict_min=True, strict_max=True),
-        metavar="R",
-        help=f"fraction of profiled steps allowed to rerun ({pd['target_rerun_rate']}); the "
-        "profile needs at least 1/R steps to measure it",
-    )
-    prof.add_argument(
-        "--capacity-headroom",
-        type=real(1),
-        metavar="H",
-        help="the runner's capacity_headroom, the margin te_paged's expert buffer gets over the "
-        f"largest profiled need ({pd['capacity_headroom']})",
-    )
-    prof.add_argument(
-        "--pad-multiple",
-        type=integer(1),
-        metavar="M",
-        help="HybridEP's pad_multiple: each expert's received rows rounded up to it in the "
-        f"receive budget ({pd['pad_multiple']}: none)",
-    )
-    prof.add_argument(
-        "--host-spill",
-        action="store_true",
-        help="cover the tail with a host tier instead of a larger CUDA pool",
-    )
-    prof.add_argument(
-        "--hidden", type=integer(1), help="hidden size, for the memory of each choice"
-    )
-    prof.add_argument(
-        "--ffn", type=integer(1), help="expert FFN size, for the memory of each choice"
-    )
-    named = plan.add_argument_group("with --model")
-    named.add_argument(
-        "--skip-immediate-backward",
-        action=argparse.BooleanOptionalAction,
-        help="moe_paged_stash_skip_immediate_backward: the last layer, whose backward comes "
-        "first, stays out of the pool (not with --ring-of-experts; default: on)",
-    )
-    named.add_argument(
-        "--seq-length", type=integer(1), help=f"sequence length ({md['seq_length']})"
-    )
-    named.add_argument(
-        "--micro-batch-size",
-        type=integer(1),
-        help=f"sequences per micro-batch ({md['micro_batch_size']})",
-    )
-    named.add_argument("--ep", type=integer(1), help=f"expert-parallel ranks ({md['ep']})")
-    named.add_argument("--layers", type=integer(1), help="MoE layers (default: the model's)")
-    _knob(
-        named,
-        "--buffer-factor-cuda",
-        type=real(0, strict_min=True),
-        metavar="F",
-        help="moe_paged_stash_buffer_size_factor_cuda: the CUDA pool over the balanced case "
-        f"({md['buffer_factor_cuda']})",
-    )
-    layout = named.add_mutually_exclusive_group()
-    _knob(
-        layout,
-        "--capacity-factor",
-        type=real(0, strict_min=True),
-        metavar="F",
-        help="moe_expert_rank_capacity_factor: static expert buffer rows over the balanced "
-        f"case ({md['capacity_factor']})",
-    )
-    layout.add_argument(
-        "--ring-of-experts",
-        action="store_true",
-        help="MaxText's layout: each rank's buffer holds all EP ranks' tokens, an effective "
-        "capacity factor of EP",
-    )
-    _knob(
-        named,
-        "--page-size",
-        type=integer(1),
-        metavar="ROWS",
-        help=f"moe_paged_stash_page_size: rows per page, for the pool per stage "
-        f"({md['page_size']})",
-    )
-    _pipeline_args(plan)
-
-
-def _pipeline_args(p: argparse.ArgumentParser) -> None:
-    """The pipeline layout, as Megatron-core's schedules take it (plan --model)."""
-    g = p.add_argument_group(
-        "pipeline parallelism, with --model: the in-flight peak and the pool of each stage"
-    )
-    _knob(
-        g,
-        "--pipeline-parallel",
-        type=integer(1),
-        metavar="P",
-        help="pipeline stages (1: no pipelining); above 1, plan adds a table per stage",
-    )
-    _knob(
-        g,
-        "--virtual-stages",
-        type=integer(1),
-        metavar="V",
-        help="model chunks per stage: Megatron-core's interleaved schedule, which every value "
-        "selects, 1 included (default: none, 1F1B)",
-    )
-    _knob(
-        g,
-        "--microbatches",
-        type=integer(1),
-        metavar="M",
-        help="microbatches per step (default: the pipeline size, the fewest that fill it)",
-    )
-    _knob(
-        g,
-        "--microbatch-group-size",
-        type=integer(1),
-        metavar="G",
-        help="microbatches run back to back through one model chunk, interleaved schedule "
-        "only (default: the pipeline size, Megatron's)",
-    )
-
-
 def _bench_parser(sub, common: argparse.ArgumentParser) -> None:
     from te_paged.tools.bench import STASH_HIDDEN_SIZES, STASH_TOKEN_COUNTS
 
@@ -585,7 +408,9 @@ def _parser() -> argparse.ArgumentParser:
         dest="command", required=True, parser_class=OneLineParser, metavar="COMMAND"
     )
     _ab_parser(sub, common)
-    _plan_parser(sub, common)
+    from te_paged.tools.plan_command import add_plan_parser
+
+    add_plan_parser(sub, common)
     _bench_parser(sub, common)
     return p
 

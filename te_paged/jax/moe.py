@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from te_paged.jax.checkpoint import paged_checkpoint, paged_scope
 from te_paged.jax.pool import PagedPool, make_pool, reset_pool
 from te_paged.kernels.layout import Flag, State
-from te_paged.runtime.planner import SavedTensor, pipeline_pool_plan
+from te_paged.runtime.pool_plan import SavedTensor, pipeline_pool_plan
 from te_paged.runtime.records import InvalidCountsError, StepRecord
 
 #: Weights (``wr``, ``w1``, ``w2``, stacked over layers) and a batch (``x``, ``target``,

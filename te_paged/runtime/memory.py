@@ -1,5 +1,5 @@
 """Peak memory of a piece of work, measured by torch's own trackers, and the capacity model
-(defined, free of torch, in :mod:`te_paged.runtime.planner`).
+(defined, free of torch, in :mod:`te_paged.runtime.pool_plan`).
 
 * CUDA: the caching allocator's statistics (``max_memory_allocated`` after
   ``reset_peak_memory_stats``, minus what was allocated before).
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from te_paged.runtime.planner import capacity_model_saving, reload_adjusted_saving
+from te_paged.runtime.pool_plan import capacity_model_saving, reload_adjusted_saving
 
 __all__ = [
     "MemoryReport",

@@ -9,7 +9,36 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["OneLineParser", "check_output", "integer", "open_output", "real"]
+__all__ = [
+    "MEGATRON_ALIASES",
+    "OneLineParser",
+    "check_output",
+    "integer",
+    "knob",
+    "open_output",
+    "real",
+]
+
+#: The Megatron names ``te-paged``'s stash and pipeline knobs also answer to, so a Megatron
+#: command line's values can be pasted as they are.
+MEGATRON_ALIASES: dict[str, tuple[str, ...]] = {
+    "--capacity-factor": ("--moe-expert-rank-capacity-factor",),
+    "--buffer-factor-cuda": ("--moe-paged-stash-buffer-size-factor-cuda",),
+    "--buffer-factor-cpu": ("--moe-paged-stash-buffer-size-factor-cpu",),
+    "--page-size": ("--moe-paged-stash-page-size",),
+    "--pipeline-parallel": ("--pipeline-model-parallel-size",),
+    "--virtual-stages": (
+        "--virtual-pipeline-model-parallel-size",
+        "--num-virtual-stages-per-pipeline-rank",
+    ),
+    "--microbatches": ("--num-microbatches",),
+    "--microbatch-group-size": ("--microbatch-group-size-per-virtual-pipeline-stage",),
+}
+
+
+def knob(g, flag: str, **kw) -> argparse.Action:
+    """Add ``flag`` (and its Megatron aliases) parsed into the attribute of its own name."""
+    return g.add_argument(flag, *MEGATRON_ALIASES[flag], dest=flag[2:].replace("-", "_"), **kw)
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -11,8 +11,17 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-__all__ = ["MODEL_DEFAULTS", "PROFILE_DEFAULTS", "check_plan_args", "run_plan_command"]
+from te_paged.tools.argtypes import integer, knob, real
+
+__all__ = [
+    "MODEL_DEFAULTS",
+    "PROFILE_DEFAULTS",
+    "add_plan_parser",
+    "check_plan_args",
+    "run_plan_command",
+]
 
 #: ``--model``'s flags and their defaults (``layers`` None: the model's own).
 MODEL_DEFAULTS: dict[str, object] = {
@@ -332,3 +341,163 @@ def run_plan_command(args: argparse.Namespace) -> int:
             f"{_gib(choice.host_pool_bytes)}"
         )
     return 0
+
+
+def add_plan_parser(sub, common: argparse.ArgumentParser) -> None:
+    """``te-paged plan``'s subparser: its flags, with :data:`MODEL_DEFAULTS` and
+    :data:`PROFILE_DEFAULTS` shown in the help."""
+    md, pd = MODEL_DEFAULTS, PROFILE_DEFAULTS
+
+    plan = sub.add_parser(
+        "plan",
+        parents=[common],
+        help="recommend capacity and buffer factors",
+        description="Recommend the capacity factors to start from (te_paged's wire and "
+        "expert buffer, HybridEP's receive budget in Megatron and torchtitan) and the stash "
+        "buffer factors from a routing profile, or print a named model's sizes without "
+        "running it.",
+    )
+    source = plan.add_argument_group("what to plan from (exactly one)")
+    source = source.add_mutually_exclusive_group()
+    source.add_argument(
+        "--profile",
+        type=Path,
+        help="routing profile (.json or .csv); counts by source rank (as `ab --record-profile` "
+        "and PagedStashRunner(record_routing=True) record them) make the capacity factor exact, "
+        "per-expert totals a lower bound",
+    )
+    source.add_argument(
+        "--model", choices=["deepseek-v3"], help="a named configuration's sizes, without a run"
+    )
+    plan.add_argument(
+        "--dtype-bytes",
+        type=int,
+        choices=[1, 2, 4],
+        default=2,
+        help="bytes per stashed element: 1 FP8, 2 bf16, 4 fp32 (%(default)s)",
+    )
+    plan.add_argument(
+        "--fp8",
+        choices=["tensorwise", "mxfp8", "nvfp4"],
+        help="MoEConfig.fp8: the FC1 and FC2 inputs stored in that format, scales included "
+        "(tensorwise 1 byte an element, mxfp8 1 + 1/32, nvfp4 4.5 bits; default: none)",
+    )
+    prof = plan.add_argument_group("with --profile")
+    prof.add_argument(
+        "--target-rerun-rate",
+        type=real(0, 1, strict_min=True, strict_max=True),
+        metavar="R",
+        help=f"fraction of profiled steps allowed to rerun ({pd['target_rerun_rate']}); the "
+        "profile needs at least 1/R steps to measure it",
+    )
+    prof.add_argument(
+        "--capacity-headroom",
+        type=real(1),
+        metavar="H",
+        help="the runner's capacity_headroom, the margin te_paged's expert buffer gets over the "
+        f"largest profiled need ({pd['capacity_headroom']})",
+    )
+    prof.add_argument(
+        "--pad-multiple",
+        type=integer(1),
+        metavar="M",
+        help="HybridEP's pad_multiple: each expert's received rows rounded up to it in the "
+        f"receive budget ({pd['pad_multiple']}: none)",
+    )
+    prof.add_argument(
+        "--host-spill",
+        action="store_true",
+        help="cover the tail with a host tier instead of a larger CUDA pool",
+    )
+    prof.add_argument(
+        "--hidden", type=integer(1), help="hidden size, for the memory of each choice"
+    )
+    prof.add_argument(
+        "--ffn", type=integer(1), help="expert FFN size, for the memory of each choice"
+    )
+    named = plan.add_argument_group("with --model")
+    named.add_argument(
+        "--skip-immediate-backward",
+        action=argparse.BooleanOptionalAction,
+        help="moe_paged_stash_skip_immediate_backward: the last layer, whose backward comes "
+        "first, stays out of the pool (not with --ring-of-experts; default: on)",
+    )
+    named.add_argument(
+        "--seq-length", type=integer(1), help=f"sequence length ({md['seq_length']})"
+    )
+    named.add_argument(
+        "--micro-batch-size",
+        type=integer(1),
+        help=f"sequences per micro-batch ({md['micro_batch_size']})",
+    )
+    named.add_argument("--ep", type=integer(1), help=f"expert-parallel ranks ({md['ep']})")
+    named.add_argument("--layers", type=integer(1), help="MoE layers (default: the model's)")
+    knob(
+        named,
+        "--buffer-factor-cuda",
+        type=real(0, strict_min=True),
+        metavar="F",
+        help="moe_paged_stash_buffer_size_factor_cuda: the CUDA pool over the balanced case "
+        f"({md['buffer_factor_cuda']})",
+    )
+    layout = named.add_mutually_exclusive_group()
+    knob(
+        layout,
+        "--capacity-factor",
+        type=real(0, strict_min=True),
+        metavar="F",
+        help="moe_expert_rank_capacity_factor: static expert buffer rows over the balanced "
+        f"case ({md['capacity_factor']})",
+    )
+    layout.add_argument(
+        "--ring-of-experts",
+        action="store_true",
+        help="MaxText's layout: each rank's buffer holds all EP ranks' tokens, an effective "
+        "capacity factor of EP",
+    )
+    knob(
+        named,
+        "--page-size",
+        type=integer(1),
+        metavar="ROWS",
+        help=f"moe_paged_stash_page_size: rows per page, for the pool per stage "
+        f"({md['page_size']})",
+    )
+    _pipeline_args(plan)
+
+
+def _pipeline_args(p: argparse.ArgumentParser) -> None:
+    """The pipeline layout, as Megatron-core's schedules take it (plan --model)."""
+    g = p.add_argument_group(
+        "pipeline parallelism, with --model: the in-flight peak and the pool of each stage"
+    )
+    knob(
+        g,
+        "--pipeline-parallel",
+        type=integer(1),
+        metavar="P",
+        help="pipeline stages (1: no pipelining); above 1, plan adds a table per stage",
+    )
+    knob(
+        g,
+        "--virtual-stages",
+        type=integer(1),
+        metavar="V",
+        help="model chunks per stage: Megatron-core's interleaved schedule, which every value "
+        "selects, 1 included (default: none, 1F1B)",
+    )
+    knob(
+        g,
+        "--microbatches",
+        type=integer(1),
+        metavar="M",
+        help="microbatches per step (default: the pipeline size, the fewest that fill it)",
+    )
+    knob(
+        g,
+        "--microbatch-group-size",
+        type=integer(1),
+        metavar="G",
+        help="microbatches run back to back through one model chunk, interleaved schedule "
+        "only (default: the pipeline size, Megatron's)",
+    )

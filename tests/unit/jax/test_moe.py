@@ -15,7 +15,7 @@ pytestmark = pytest.mark.torch_free  # also run without torch (scripts/jax_env.s
 
 from te_paged.jax.moe import PagedStepRunner, RingMoEConfig, init_params, make_batch  # noqa: E402
 from te_paged.kernels.layout import State  # noqa: E402
-from te_paged.runtime.planner import capacity_model_saving, reload_adjusted_saving  # noqa: E402
+from te_paged.runtime.pool_plan import capacity_model_saving, reload_adjusted_saving  # noqa: E402
 
 # 4 layers, 8 experts over a ring of 4 (2 local), 64 tokens per rank: a 512-row static buffer
 # for 128 balanced rows (capacity factor 4). The pool holds 1.25x the balanced pages.

@@ -104,7 +104,7 @@ def test_te_paged_jax_imports_and_runs_without_torch() -> None:
         assert out.tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [0, 0, 0]], out
         # the MoE stack, its runner, the planner that sizes its pool and the capacity model
         from te_paged.jax.moe import PagedStepRunner, RingMoEConfig, init_params, make_batch
-        from te_paged.runtime.planner import capacity_model_saving
+        from te_paged.runtime.pool_plan import capacity_model_saving
         cfg = RingMoEConfig(layers=2, hidden=8, ffn=8, tokens=16, page_size=4)
         runner = PagedStepRunner(cfg)
         _, record = runner.step(init_params(cfg), make_batch(cfg, 0))
