@@ -2,8 +2,8 @@
 # The main job: `te-paged ab` (paged stash ON vs OFF, default model, 4 CPU ranks).
 # Extra arguments go to `te-paged ab` (see `te-paged ab --help`).
 source "$(dirname "$0")/env.sh"
-extras=plot
-case " $* " in *" --engine jax "* | *" --engine=jax "*) extras=plot,jax ;; esac  # pinned JAX
+extras=torch,plot  # torch: the pinned build env.sh installed satisfies it
+case " $* " in *" --engine jax "* | *" --engine=jax "*) extras=torch,plot,jax ;; esac
 "$PY" -m pip install -q --disable-pip-version-check -e ".[$extras]"
 case " $* " in  # megatron-core 0.19.2 (and 0.16.1), pinned, next to the pinned torch
   *" --engine megatron "* | *" --engine=megatron "*) source scripts/megatron.sh ;;
