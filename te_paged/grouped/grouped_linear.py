@@ -426,7 +426,10 @@ def make_grouped_linear(
     device-initiated path (``use_grouped_tensor``), else te_paged's :class:`GroupedLinear`.
 
     With TE, FP8 is configured by ``te.fp8_autocast``, not by the constructor: passing
-    ``fp8_recipe`` then raises. ``None`` arguments are left to TE's own defaults.
+    ``fp8_recipe`` then raises. ``None`` arguments are left to TE's own defaults. TE 2.19+
+    builds ``single_grouped_weight`` / ``single_grouped_bias`` only with the environment
+    variable ``NVTE_GROUPED_LINEAR_SINGLE_PARAM`` set, and otherwise warns and builds
+    per-expert parameters: a layer built without the layout asked for raises here.
     """
     kwargs = {
         "bias": bias, "return_bias": return_bias, "params_dtype": params_dtype, "device": device,
@@ -453,4 +456,13 @@ def make_grouped_linear(
             raise ValueError(f"the installed Transformer Engine's GroupedLinear has no {name!r} "
                              "argument: upgrade it or leave the option at its default")  # fmt: skip
         te_kwargs[name] = value
-    return te_cls(num_gemms, in_features, out_features, **te_kwargs)
+    layer = te_cls(num_gemms, in_features, out_features, **te_kwargs)
+    for name in ("single_grouped_weight", "single_grouped_bias"):
+        if kwargs[name] and getattr(layer, name, True) is False:
+            raise ValueError(
+                f"Transformer Engine built per-expert parameters although {name}=True was "
+                "asked for: it builds single grouped parameters only with the environment "
+                "variable NVTE_GROUPED_LINEAR_SINGLE_PARAM set (TE 2.19+). Set it before "
+                f"constructing the layer, or leave {name} off"
+            )
+    return layer

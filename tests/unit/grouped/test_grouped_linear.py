@@ -12,6 +12,7 @@ the GEMM's accumulator.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import types
 
@@ -460,6 +461,29 @@ def test_make_grouped_linear_prefers_transformer_engine(monkeypatch):
                        "single_grouped_bias": False})]  # fmt: skip
     with pytest.raises(ValueError, match="fp8_autocast"):
         make_grouped_linear(E, IN, OUT, fp8_recipe="mxfp8")
+
+
+def test_make_grouped_linear_refuses_the_per_expert_layout_te_fell_back_to(monkeypatch):
+    # TE 2.19+ gates its single grouped parameters on NVTE_GROUPED_LINEAR_SINGLE_PARAM and
+    # otherwise warns and builds per-expert ones: the caller would get another layout silently.
+    class GatedGroupedLinear:
+        def __init__(self, num_gemms, in_features, out_features, *, single_grouped_weight=False,
+                     single_grouped_bias=False, use_grouped_tensor=False, **kwargs):  # fmt: skip
+            gate = os.environ.get("NVTE_GROUPED_LINEAR_SINGLE_PARAM") is not None
+            self.single_grouped_weight = single_grouped_weight and gate
+            self.single_grouped_bias = single_grouped_bias and gate
+
+    _stand_in_te(monkeypatch)
+    monkeypatch.setattr(sys.modules["transformer_engine.pytorch"], "GroupedLinear",
+                        GatedGroupedLinear)  # fmt: skip
+    monkeypatch.delenv("NVTE_GROUPED_LINEAR_SINGLE_PARAM", raising=False)
+    for name in ("single_grouped_weight", "single_grouped_bias"):
+        with pytest.raises(ValueError, match=f"{name}=True .*NVTE_GROUPED_LINEAR_SINGLE_PARAM"):
+            make_grouped_linear(E, IN, OUT, **{name: True})
+    assert not make_grouped_linear(E, IN, OUT).single_grouped_weight  # nothing asked: fine
+    monkeypatch.setenv("NVTE_GROUPED_LINEAR_SINGLE_PARAM", "1")
+    layer = make_grouped_linear(E, IN, OUT, single_grouped_weight=True, single_grouped_bias=True)
+    assert layer.single_grouped_weight and layer.single_grouped_bias
 
 
 def test_make_grouped_linear_falls_back_without_transformer_engine(monkeypatch):
