@@ -209,6 +209,14 @@ class GroupedLinear(nn.Module):
         self.init_method = init_method or _default_init
         self.get_rng_state_tracker, self.rng_tracker_name = get_rng_state_tracker, rng_tracker_name
         kw = {"dtype": params_dtype or torch.get_default_dtype(), "device": device}
+        # TE's order: weight0, bias0, weight1, bias1, ..., then a single grouped ``weight`` and
+        # ``bias`` after the per-GEMM ones that remain (TE re-registers them last).
+        for i in range(num_gemms):
+            if not self.single_grouped_weight:
+                weight = nn.Parameter(torch.empty(out_features, in_features, **kw))
+                self.register_parameter(f"weight{i}", weight)
+            if bias and not self.single_grouped_bias:
+                self.register_parameter(f"bias{i}", nn.Parameter(torch.empty(out_features, **kw)))
         if self.single_grouped_weight:
             weight = nn.Parameter(torch.empty(num_gemms, out_features, in_features, **kw))
             self.register_parameter("weight", weight)
@@ -216,12 +224,6 @@ class GroupedLinear(nn.Module):
             self.register_parameter(
                 "bias", nn.Parameter(torch.empty(num_gemms, out_features, **kw))
             )
-        for i in range(num_gemms):  # TE's order: weight0, bias0, weight1, bias1, ...
-            if not self.single_grouped_weight:
-                weight = nn.Parameter(torch.empty(out_features, in_features, **kw))
-                self.register_parameter(f"weight{i}", weight)
-            if bias and not self.single_grouped_bias:
-                self.register_parameter(f"bias{i}", nn.Parameter(torch.empty(out_features, **kw)))
         # Device counter of forwards whose m_splits were negative or summed past the input's
         # rows (the device path cannot raise without a sync; the legacy path raises).
         zero = torch.zeros((), dtype=torch.int64, device=device)
@@ -357,7 +359,9 @@ class GroupedLinear(nn.Module):
             return y
         if not biases:
             return y, None
-        return y, (biases[0] if self.single_grouped_bias else biases)
+        # TE 2.19: the single grouped bias is returned as the parameter itself, uncast; the
+        # per-GEMM ones as a list in the input's dtype.
+        return y, (self.bias if self.single_grouped_bias else biases)
 
     def backward_dw(self) -> None:
         """With ``delay_wgrad_compute``: compute the weight gradients the last backward(s)

@@ -201,6 +201,12 @@ def test_parameters_and_init():
     assert [n for n, _ in mod.named_parameters()] == expected
     single = GroupedLinear(E, IN, OUT, single_grouped_weight=True, single_grouped_bias=True)
     assert [n for n, _ in single.named_parameters()] == ["weight", "bias"]
+    # TE 2.19 (module/grouped_linear.py, the single parameters re-registered last): a single
+    # grouped parameter comes after the per-GEMM ones that remain.
+    mixed = GroupedLinear(E, IN, OUT, single_grouped_weight=True)
+    assert [n for n, _ in mixed.named_parameters()] == [f"bias{i}" for i in range(E)] + ["weight"]
+    mixed = GroupedLinear(E, IN, OUT, single_grouped_bias=True)
+    assert [n for n, _ in mixed.named_parameters()] == [f"weight{i}" for i in range(E)] + ["bias"]
     mod = GroupedLinear(E, IN, OUT, single_grouped_weight=True, bias=False)
     assert mod.weight.shape == (E, OUT, IN)
     torch.testing.assert_close(mod.weight.std(), torch.tensor(0.023), rtol=0.1, atol=0)  # TE's
@@ -450,6 +456,25 @@ def _stand_in_te(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformer_engine", te)
     monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", te_pt)
     return StandInGroupedLinear, calls
+
+
+@pytest.mark.parametrize("params_dtype", [torch.float32, torch.bfloat16])
+def test_grouped_linear_returns_single_grouped_bias_parameter(params_dtype):
+    # Ported from TE 2.19's tests/pytorch/test_grouped_linear.py (same name): with
+    # return_bias and a single grouped bias, the bias returned is the registered parameter
+    # itself ([E, out], uncast), and a caller adding it per expert gets its gradient.
+    experts, rows, out_f = 2, 256, 128
+    mod = GroupedLinear(experts, 64, out_f, bias=True, return_bias=True,
+                        single_grouped_bias=True, params_dtype=params_dtype)  # fmt: skip
+    splits = torch.tensor([rows, rows])
+    x = torch.randn(2 * rows, 64, dtype=torch.bfloat16)  # fp32 parameters: a cast would copy
+    probs = torch.cat([torch.full((rows, 1), 0.25), torch.full((rows, 1), 0.5)])
+    y, bias = mod(x, splits)
+    assert bias is mod.bias and bias.shape == (experts, out_f) and bias.dtype == params_dtype
+    per_row = torch.repeat_interleave(bias, splits, dim=0, output_size=2 * rows)
+    (y.float() + per_row.float() * probs).sum().backward()
+    expected = torch.tensor([[0.25 * rows], [0.5 * rows]]).expand(experts, out_f)
+    torch.testing.assert_close(mod.bias.grad.float(), expected)
 
 
 def test_make_grouped_linear_prefers_transformer_engine(monkeypatch):
