@@ -185,7 +185,15 @@ class GroupedLinear(nn.Module):
             )
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
         self.use_bias, self.return_bias = bias, return_bias
-        self.use_grouped_tensor = True if use_grouped_tensor is None else bool(use_grouped_tensor)
+        if use_grouped_tensor is not None and not isinstance(use_grouped_tensor, bool):
+            raise TypeError(
+                f"use_grouped_tensor must be a bool or None, got {use_grouped_tensor!r}"
+            )
+        self.use_grouped_tensor = True if use_grouped_tensor is None else use_grouped_tensor
+        # Asked for by name: host m_splits are then refused, as in TE 2.19, not taken to the
+        # legacy path (the implicit fallback that None keeps, TE's None being the legacy path).
+        self._grouped_tensor_asked = use_grouped_tensor is True
+        self._implicit_fallback_with_delay = False
         self.single_grouped_weight = single_grouped_weight
         self.single_grouped_bias = single_grouped_bias and bias  # TE ignores it without bias
         self.fp8_recipe = None if fp8_recipe is None else Fp8Recipe(fp8_recipe)
@@ -332,6 +340,8 @@ class GroupedLinear(nn.Module):
         host_splits = isinstance(m_splits, (list, tuple)) or (
             isinstance(m_splits, torch.Tensor) and m_splits.is_cpu and not x_TI.is_cpu
         )
+        if self.use_grouped_tensor and host_splits:
+            self._check_host_splits()
         if self.use_grouped_tensor and not host_splits:
             if offsets_E is None:
                 _check_splits(m_splits, x_TI.device, "m_splits")
@@ -363,10 +373,36 @@ class GroupedLinear(nn.Module):
         # per-GEMM ones as a list in the input's dtype.
         return y, (self.bias if self.single_grouped_bias else biases)
 
+    def _check_host_splits(self) -> None:
+        """Host ``m_splits`` on the device-initiated path: TE 2.19's rules. Single grouped
+        parameters, or ``use_grouped_tensor=True`` given by name, refuse them (TE: the native
+        path requires CUDA ``m_splits``); otherwise they take the legacy path, whose weight
+        gradients cannot be delayed (remembered: :meth:`backward_dw` then raises, as TE's)."""
+        single = self.single_grouped_weight or (self.use_bias and self.single_grouped_bias)
+        if single or self._grouped_tensor_asked:
+            why = "single grouped parameters" if single else "use_grouped_tensor=True"
+            raise ValueError(
+                f"the device-initiated grouped-tensor path ({why}) requires m_splits on the "
+                "input's device (CUDA m_splits for a CUDA input): pass an int64 tensor there, "
+                "or set use_grouped_tensor=False for the host path"
+            )
+        if self.delay_wgrad_compute:
+            self._implicit_fallback_with_delay = True
+
     def backward_dw(self) -> None:
         """With ``delay_wgrad_compute``: compute the weight gradients the last backward(s)
         deferred, into ``weight.grad`` (accumulating), or ``weight.main_grad`` with
-        ``fuse_wgrad_accumulation``. Otherwise nothing is deferred and this does nothing."""
+        ``fuse_wgrad_accumulation``. Otherwise nothing is deferred and this does nothing.
+        After a forward whose host ``m_splits`` took the legacy path (which computed the weight
+        gradients at once), it raises, as TE 2.19 does."""
+        if self._implicit_fallback_with_delay:
+            self._implicit_fallback_with_delay = False
+            raise RuntimeError(
+                "GroupedLinear: a forward with host m_splits took the legacy path, which "
+                "computes the weight gradients in backward; this implicit fallback is "
+                "unsupported with delay_wgrad_compute=True. Pass m_splits as a tensor on the "
+                "input's device"
+            )
         weights = self.weight_params()
         while self._wgrad_store:
             grads = self._wgrad_store.pop(0)()

@@ -218,8 +218,45 @@ def test_parameters_and_init():
     assert [n for n, _ in no_bias.named_parameters()] == [f"weight{i}" for i in range(E)]
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [{"single_grouped_weight": True}, {"single_grouped_bias": True}, {"use_grouped_tensor": True}],
+)
+def test_single_grouped_weight_rejects_host_m_splits(layout):
+    # Ported from TE 2.19's test of the same name (its list case; TE's CPU-tensor case needs a
+    # CUDA input: on CPU a CPU tensor is the device's): host m_splits on the device path with
+    # single grouped parameters, or with use_grouped_tensor=True given by name, raise.
+    mod = GroupedLinear(E, IN, OUT, bias=True, **layout)
+    x = torch.randn(T, IN)
+    for splits in (SPLITS, tuple(SPLITS)):
+        with pytest.raises(ValueError, match=r"requires.*CUDA"):
+            mod(x, splits)
+    mod(x, torch.tensor(SPLITS))  # a tensor on the input's device: the device path
+    with pytest.raises(TypeError, match="use_grouped_tensor must be a bool or None"):
+        GroupedLinear(E, IN, OUT, use_grouped_tensor=1)
+
+
+def test_grouped_linear_delay_wgrad_rejects_implicit_fallback():
+    # The analogue of TE 2.19's test of the same name: te_paged's implicit fallback is host
+    # m_splits taking the legacy path, whose backward computes the weight gradients at once;
+    # with delay_wgrad_compute, backward_dw() then raises instead of silently doing nothing.
+    mod = GroupedLinear(E, IN, OUT, bias=True, delay_wgrad_compute=True)
+    x = torch.randn(T, IN, requires_grad=True)
+    mod(x, SPLITS).sum().backward()  # forward and backward pass
+    with pytest.raises(RuntimeError, match="implicit fallback is unsupported with "
+                                           "delay_wgrad_compute=True"):  # fmt: skip
+        mod.backward_dw()
+    mod.backward_dw()  # reported once; a device-path step then delays as it should
+    mod.zero_grad(set_to_none=True)
+    mod(x, torch.tensor(SPLITS)).sum().backward()
+    assert all(w.grad is None for w in mod.weight_params())
+    mod.backward_dw()
+    assert all(w.grad is not None for w in mod.weight_params())
+
+
 def test_host_splits_take_the_legacy_path_as_in_te():
-    # Before: a Python list raised TypeError; TE accepts one (its host path).
+    # Before: a Python list raised TypeError; TE accepts one (its host path). Since TE 2.19
+    # only where use_grouped_tensor was left None and the parameters are per GEMM (above).
     mod, x, dy = _module(bias=True), *_inputs()
     legacy = _module(bias=True, use_grouped_tensor=False)
     legacy.load_state_dict(mod.state_dict())
