@@ -35,7 +35,4 @@ _MODULES = {  # the module that defines each public name
         "PagedStashBuffer", "PagedStashManager", "StashKey", "StashMode", "StashStats",
     ],
 }  # fmt: skip
-__all__ = sorted(name for names in _MODULES.values() for name in names)
-__getattr__, __dir__ = lazy_exports(
-    __name__, {n: m for m, names in _MODULES.items() for n in names}, globals()
-)
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _MODULES, globals())

@@ -10,12 +10,13 @@ from typing import Any
 
 
 def lazy_exports(
-    package: str, exports: Mapping[str, str], namespace: dict[str, Any]
-) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-    """The ``__getattr__`` and ``__dir__`` of ``package`` whose public names ``exports`` maps
-    to the modules that define them. A name is imported at its first access and kept in
-    ``namespace`` (the package's globals). Without torch, a torch name raises an ImportError
-    that says which extra to install."""
+    package: str, modules: Mapping[str, list[str]], namespace: dict[str, Any]
+) -> tuple[Callable[[str], Any], Callable[[], list[str]], list[str]]:
+    """The ``__getattr__``, ``__dir__`` and ``__all__`` of ``package``, whose public names
+    ``modules`` lists under the module that defines them. A name is imported at its first
+    access and kept in ``namespace`` (the package's globals). Without torch, a torch name
+    raises an ImportError that says which extra to install."""
+    exports = {name: module for module, names in modules.items() for name in names}
 
     def __getattr__(name: str) -> Any:
         module = exports.get(name)
@@ -37,4 +38,4 @@ def lazy_exports(
     def __dir__() -> list[str]:
         return sorted({*namespace, *exports})
 
-    return __getattr__, __dir__
+    return __getattr__, __dir__, sorted(exports)

@@ -335,7 +335,6 @@ class PagedStepRunner:
             )
         overflow = int(flags[Flag.OVERFLOW]) != 0
         peak = int(max(num_tokens))
-        pages = self.pool.num_pages
         record = StepRecord(
             step=self.steps,
             attempt=1,
@@ -345,7 +344,7 @@ class PagedStepRunner:
             host_spill_ranks=0,
             will_retry=overflow,
             pool_high_water_pages={key: int(state[State.HWM])},
-            pool_pages={key: pages},
+            pool_pages={key: self.pool.num_pages},
             peak_tokens=peak,
             budget_tokens=cfg.max_rows,
             balanced_tokens=cfg.balanced_rows,
@@ -372,14 +371,11 @@ class PagedStepRunner:
     def _grow(self, record: StepRecord, need: int, why: str) -> None:
         """A new pool of ``need x grow_headroom`` pages (at most the static worst case) when
         the step needed more than the pool / headroom; recorded in ``record.pool_growth``."""
-        pages = self.pool.num_pages
-        if math.ceil(need * self.grow_headroom) <= pages:
-            return
+        cfg, pages = self.cfg, self.pool.num_pages
         want = min(math.ceil(need * self.grow_headroom), self.static_pages)
         if want <= pages:
             return
-        record.pool_growth[self.cfg.saved.key] = {
+        record.pool_growth[cfg.saved.key] = {
             "from": pages, "to": want, "needed": need, "why": why,
         }  # fmt: skip
-        cfg = self.cfg
         self.pool = make_pool(want, cfg.page_size, cfg.hidden, differentiable=True)

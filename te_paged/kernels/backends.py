@@ -115,7 +115,9 @@ def get_backend(name: str | StashBackend) -> StashBackend:
     if isinstance(name, StashBackend):
         return name
     key = name.value if isinstance(name, KernelBackend) else name
-    backend = _builtins().get(key) if isinstance(key, str) else None
+    # The op path names its backend on every stash and pop: the registry first, then (once,
+    # before any backend exists) the built-ins.
+    backend = (_BACKENDS.get(key) or _builtins().get(key)) if isinstance(key, str) else None
     if backend is None:
         allowed = ", ".join(repr(n) for n in _BACKENDS)
         raise ValueError(f"stash kernel backend {name!r} is not registered ({allowed}; or 'auto')")

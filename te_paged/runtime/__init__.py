@@ -12,7 +12,4 @@ _MODULES = {
     "te_paged.runtime.runner": ["PagedStashRunner"],
     "te_paged.runtime.step_state": ["StepState"],
 }  # fmt: skip
-__all__ = sorted(name for names in _MODULES.values() for name in names)
-__getattr__, __dir__ = lazy_exports(
-    __name__, {n: m for m, names in _MODULES.items() for n in names}, globals()
-)
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _MODULES, globals())

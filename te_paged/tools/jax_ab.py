@@ -12,6 +12,7 @@ to ON. The figure is static: every step of a run has the same one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 from te_paged.tools.ab import ABResult, StepResult, rank_result
@@ -90,9 +91,11 @@ def run_jax_ab(cfg: JaxModelConfig, progress: Callable[[str], None] | None = Non
     params0 = init_params(ring)
     batches = [make_batch(ring, step, cfg.skew) for step in range(cfg.steps)]
 
-    def temp_bytes(step_fn, pool) -> int:
-        """XLA's figure for ``step_fn`` with ``pool`` (one per pool size: jit's cache then
-        holds the executable the steps run)."""
+    @functools.cache
+    def temp_bytes(step_fn, pages: int | None) -> int:
+        """XLA's figure for ``step_fn`` with the pool of ``pages`` (compiled once per pool
+        size; jit's cache then holds the executable the steps run)."""
+        pool = None if pages is None else runner.pool
         compiled = step_fn.lower(params0, batches[0], pool).compile()
         return compiled.memory_analysis().temp_size_in_bytes
 
@@ -137,7 +140,7 @@ def run_jax_ab(cfg: JaxModelConfig, progress: Callable[[str], None] | None = Non
     on_steps, equal, params = [], [], params0
     for step, batch in enumerate(batches):
         pool_bytes = runner.pool.nbytes  # the pool this step holds (grow_pool may grow it)
-        on_temp = temp_bytes(runner.paged_step, runner.pool)
+        on_temp = temp_bytes(runner.paged_step, runner.pool.num_pages)
         out, record = runner.step(params, batch)
         params = out.params
         equal.append(_bitwise(out.grads, off_grads[step]))

@@ -27,10 +27,7 @@ def test_import_te_paged_does_not_import_jax() -> None:
         print("ok")
         """
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
-    )
-    assert out.returncode == 0, out.stderr
+    out = _python(code)
     assert out.stdout.strip() == "ok"
 
 
@@ -57,6 +54,15 @@ def test_the_jax_extra_spans_the_releases_the_tests_run_on() -> None:
         assert "==" + metadata.version(name) == test_pins[name], f"{name} differs from the pin"
 
 
+def _python(code: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter, which must exit 0."""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    return out
+
+
 def _requirements(lines: list[str]) -> list[str]:
     return [ln.split("#")[0].strip() for ln in lines if ln.split("#")[0].strip()]
 
@@ -80,10 +86,7 @@ def test_without_jax_the_port_and_the_engine_say_how_to_install_it() -> None:
         print("ok")
         """
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
-    )
-    assert out.returncode == 0, out.stderr
+    out = _python(code)
     assert out.stdout.strip() == "ok"
     assert "te-paged ab: error: --engine jax needs JAX: pip install 'te_paged[jax]'" in out.stderr
 
@@ -120,18 +123,12 @@ def test_te_paged_jax_imports_and_runs_without_torch() -> None:
         print("ok")
         """
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
-    )
-    assert out.returncode == 0, out.stderr
+    out = _python(code)
     assert out.stdout.strip() == "ok"
 
 
 def test_with_torch_installed_te_paged_jax_still_does_not_import_it() -> None:
     pytest.importorskip("jax")
     code = "import sys, te_paged.jax, te_paged.jax.moe; print('torch' in sys.modules)"
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
-    )
-    assert out.returncode == 0, out.stderr
+    out = _python(code)
     assert out.stdout.strip() == "False"
