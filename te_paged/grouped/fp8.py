@@ -17,7 +17,12 @@ Recipes
 ``MXFP8`` (block scaling)
     One power-of-two scale per block of 32 consecutive *tokens* of one column, stored token-major
     as ``float8_e8m0fnu [R/32, H]`` so that the real blocks stay a prefix of the rows (which is
-    what lets the paged stash store ``ceil(num_tokens / 32)`` rows of it). The exponent is
+    what lets the paged stash store ``ceil(num_tokens / 32)`` rows of it): Transformer Engine's
+    *columnwise* layout, the one its weight-gradient GEMM reads and its backward saves. The
+    *rowwise* layout (``quantize(..., rowwise=True)``) scales blocks of 32 consecutive elements
+    of a row instead, ``scale_inv`` ``e8m0 [R, ceil(H/32)]`` (a short last block when ``H`` is
+    not a multiple of 32): what TE's forward GEMM reads and its FP8 token dispatch sends. Both
+    use the same exponent rule. The exponent is
 
         ``e = ceil(log2(amax_block / 448))``, clamped to e8m0's ``[-127, 127]``
 
@@ -44,6 +49,12 @@ Recipes
 Error bound (tensorwise and MXFP8): e4m3 has 3 mantissa bits and rounds to nearest, so a value whose
 scaled magnitude is normal (``>= 2^-6``) is stored with relative error ``<= 2^-4``; smaller
 scaled values (subnormals) have absolute error ``<= 2^-10`` in the scaled domain.
+
+Requantisation (MXFP8, either layout): quantising the dequantised values again gives the same
+values. Every block maximum is now at most ``448 · 2^e``, so the new exponent is ``e`` or smaller,
+and scaling an e4m3 value up by a power of two stays exact (the scale byte may differ: a block
+whose maximum is at most 224 · 2^e gets a smaller exponent). This is what lets a layer consume a
+tensor that arrived already quantised as it is, as Transformer Engine's FP8 dispatch does.
 
 Padding rows (``rows >= num_rows``) are masked out of every amax with a static-shape
 ``torch.where`` and stored as zero bytes; an all-padding MXFP8 block has scale byte 0x00. These
@@ -100,7 +111,7 @@ class Fp8Tensor:
     ============= ===================== ============================ =====================
 
     (``e4m3``: ``float8_e4m3fn``, ``e8m0``: ``float8_e8m0fnu``; the tensorwise ``scale_inv``
-    is static.)
+    is static.) ``rowwise`` MXFP8 has ``scale_inv`` ``e8m0 [R, ceil(H/32)]`` instead.
 
     ``dtype`` is the high-precision dtype the tensor had before quantisation; NVFP4 adds the
     static per-tensor ``global_scale_inv`` (float32 ``[1]``). :meth:`saved` is what a function
@@ -112,6 +123,7 @@ class Fp8Tensor:
     recipe: Fp8Recipe
     dtype: torch.dtype
     global_scale_inv: torch.Tensor | None = None
+    rowwise: bool = False
 
     def saved(self) -> list[torch.Tensor]:
         extra = [self.global_scale_inv] if self.recipe is Fp8Recipe.NVFP4 else []
@@ -119,12 +131,17 @@ class Fp8Tensor:
 
     @classmethod
     def from_saved(
-        cls, tensors: list[torch.Tensor], recipe: Fp8Recipe, dtype: torch.dtype
+        cls,
+        tensors: list[torch.Tensor],
+        recipe: Fp8Recipe,
+        dtype: torch.dtype,
+        *,
+        rowwise: bool = False,
     ) -> tuple[Fp8Tensor, list[torch.Tensor]]:
         """The tensor :meth:`saved` gave, and the tensors after it."""
         n = 3 if recipe is Fp8Recipe.NVFP4 else 2
         extra = tensors[2] if n == 3 else None
-        return cls(tensors[0], tensors[1], recipe, dtype, extra), list(tensors[n:])
+        return cls(tensors[0], tensors[1], recipe, dtype, extra, rowwise), list(tensors[n:])
 
 
 def fp8_supported() -> tuple[bool, str]:
@@ -157,14 +174,21 @@ def _saturate_to_fp8(v: torch.Tensor) -> torch.Tensor:
 
 
 def quantize(
-    x_RH: torch.Tensor, recipe: Fp8Recipe | str, num_rows: torch.Tensor | None = None
+    x_RH: torch.Tensor,
+    recipe: Fp8Recipe | str,
+    num_rows: torch.Tensor | None = None,
+    *,
+    rowwise: bool = False,
 ) -> Fp8Tensor:
     """Quantise a 2-D ``x_RH`` to FP8 with ``recipe`` (rules in the module docstring).
 
     ``num_rows`` (a one-element integer device tensor) is the count of real rows; the others are
-    left out of the scales and stored as zeros. Sync-free: no value is read on the host.
+    left out of the scales and stored as zeros. ``rowwise`` (MXFP8 only) scales blocks of 32
+    elements of a row instead of 32 tokens of a column. Sync-free: no value is read on the host.
     """
     recipe = Fp8Recipe(recipe)
+    if rowwise and recipe is not Fp8Recipe.MXFP8:
+        raise ValueError(f"rowwise=True is MXFP8's layout, not {recipe.value}'s")
     ok, reason = fp8_supported()
     if not ok:
         raise RuntimeError(reason)
@@ -179,7 +203,7 @@ def quantize(
             f"NVFP4 scales blocks of {NVFP4_BLOCK} elements of a row, but x has {hidden} columns: "
             f"use a hidden size that is a multiple of {NVFP4_BLOCK}"
         )
-    if recipe is Fp8Recipe.MXFP8 and rows % MXFP8_SCALE_BLOCK:
+    if recipe is Fp8Recipe.MXFP8 and not rowwise and rows % MXFP8_SCALE_BLOCK:
         raise ValueError(
             f"MXFP8 scales blocks of {MXFP8_SCALE_BLOCK} tokens, but x has {rows} rows: pad the "
             f"token budget (max_num_tokens) to a multiple of {MXFP8_SCALE_BLOCK}"
@@ -202,20 +226,39 @@ def quantize(
     if recipe is Fp8Recipe.NVFP4:
         return _quantize_nvfp4(x_RH, dtype)
 
+    if rowwise:
+        return _quantize_mxfp8_rowwise(x_RH, dtype)
     x_BKH = x_RH.view(rows // MXFP8_SCALE_BLOCK, MXFP8_SCALE_BLOCK, hidden)
-    amax_BH = x_BKH.abs().amax(dim=1)
-    # Exact integer form of e = ceil(log2(amax / 448)): with amax = m·2^k (m in [0.5, 1)) and
-    # 448 = 0.875·2^9, amax <= 448·2^e  <=>  e >= k - 9 when m <= 0.875, else e >= k - 8.
-    # Worked example: amax = 500 = 0.977·2^9 -> e = 1, data max 250; amax = 448 -> e = 0.
-    mant_BH, exp_BH = torch.frexp(amax_BH)
-    e_BH = exp_BH - 9 + (mant_BH > FP8_E4M3_MAX / 512).to(exp_BH.dtype)
-    e_BH = torch.where(amax_BH > 0, e_BH, -_E8M0_BIAS).clamp(-_E8M0_BIAS, _E8M0_BIAS)
-    biased_BH = torch.where(torch.isfinite(amax_BH), e_BH + _E8M0_BIAS, _E8M0_NAN)
-    scale_inv_BH = biased_BH.to(torch.uint8).view(torch.float8_e8m0fnu)
+    scale_inv_BH = _e8m0_scale_inv(x_BKH.abs().amax(dim=1))
     # Division by an exact power of two (e8m0 -> float32 is exact, 2^-127 included): the only
     # rounding is the e4m3 cast.
     data_RH = _saturate_to_fp8((x_BKH / scale_inv_BH.float().unsqueeze(1)).view(rows, hidden))
     return Fp8Tensor(data_RH, scale_inv_BH, recipe, dtype)
+
+
+def _e8m0_scale_inv(amax: torch.Tensor) -> torch.Tensor:
+    """The e8m0 scale-inverse ``2^e`` of blocks with maxima ``amax`` (float32)."""
+    # Exact integer form of e = ceil(log2(amax / 448)): with amax = m·2^k (m in [0.5, 1)) and
+    # 448 = 0.875·2^9, amax <= 448·2^e  <=>  e >= k - 9 when m <= 0.875, else e >= k - 8.
+    # Worked example: amax = 500 = 0.977·2^9 -> e = 1, data max 250; amax = 448 -> e = 0.
+    mant, exp = torch.frexp(amax)
+    e = exp - 9 + (mant > FP8_E4M3_MAX / 512).to(exp.dtype)
+    e = torch.where(amax > 0, e, -_E8M0_BIAS).clamp(-_E8M0_BIAS, _E8M0_BIAS)
+    biased = torch.where(torch.isfinite(amax), e + _E8M0_BIAS, _E8M0_NAN)
+    return biased.to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def _quantize_mxfp8_rowwise(x_RH: torch.Tensor, dtype: torch.dtype) -> Fp8Tensor:
+    """Rowwise MXFP8 of the float32 ``x_RH`` (padding rows already zero): blocks of 32 elements
+    of a row, the last one short when ``H`` is not a multiple of 32 (zero-padded for its amax)."""
+    rows, hidden = x_RH.shape
+    blocks = -(-hidden // MXFP8_SCALE_BLOCK)
+    x_RBK = torch.nn.functional.pad(x_RH, (0, blocks * MXFP8_SCALE_BLOCK - hidden))
+    x_RBK = x_RBK.view(rows, blocks, MXFP8_SCALE_BLOCK)
+    scale_inv_RB = _e8m0_scale_inv(x_RBK.abs().amax(dim=-1))
+    data_RBK = _saturate_to_fp8(x_RBK / scale_inv_RB.float().unsqueeze(-1))
+    data_RH = data_RBK.view(rows, blocks * MXFP8_SCALE_BLOCK)[:, :hidden].contiguous()
+    return Fp8Tensor(data_RH, scale_inv_RB, Fp8Recipe.MXFP8, dtype, rowwise=True)
 
 
 def _quantize_nvfp4(x_RH: torch.Tensor, dtype: torch.dtype) -> Fp8Tensor:
@@ -271,6 +314,13 @@ def dequantize(fp8: Fp8Tensor, dtype: torch.dtype | None = None) -> torch.Tensor
     if fp8.recipe is Fp8Recipe.TENSORWISE:
         return (data_RH * fp8.scale_inv.float()).to(dtype)
     rows, hidden = data_RH.shape
+    if fp8.rowwise:
+        blocks = -(-hidden // MXFP8_SCALE_BLOCK)
+        if fp8.scale_inv.shape != (rows, blocks):
+            raise ValueError(f"rowwise MXFP8 scale_inv of shape {tuple(fp8.scale_inv.shape)} "
+                             f"does not match data of shape {(rows, hidden)}")  # fmt: skip
+        scale_RH = fp8.scale_inv.float().repeat_interleave(MXFP8_SCALE_BLOCK, dim=1)
+        return (data_RH * scale_RH[:, :hidden]).to(dtype)
     if fp8.scale_inv.shape != (rows // MXFP8_SCALE_BLOCK, hidden):
         raise ValueError(f"MXFP8 scale_inv of shape {tuple(fp8.scale_inv.shape)} does not match "
                          f"data of shape {(rows, hidden)}")  # fmt: skip
@@ -282,11 +332,11 @@ def mark_fp8_saved(fp8: Fp8Tensor) -> None:
     """Mark the dynamic parts of ``fp8`` for the paged stash.
 
     ``data`` has one row per token; an MXFP8 ``scale_inv`` has one row per 32 tokens (marked with
-    ``scale_inv=True``), an NVFP4 one one row per token. The tensorwise ``scale_inv`` and NVFP4's
-    ``global_scale_inv`` are static ``[1]`` and stay unmarked.
+    ``scale_inv=True``), a rowwise MXFP8 or an NVFP4 one one row per token. The tensorwise
+    ``scale_inv`` and NVFP4's ``global_scale_inv`` are static ``[1]`` and stay unmarked.
     """
     mark_grouped_tensor(fp8.data)
-    if fp8.recipe is Fp8Recipe.MXFP8:
+    if fp8.recipe is Fp8Recipe.MXFP8 and not fp8.rowwise:
         mark_grouped_tensor(fp8.scale_inv, scale_inv=True)
-    elif fp8.recipe is Fp8Recipe.NVFP4:
+    elif fp8.recipe is not Fp8Recipe.TENSORWISE:  # NVFP4, rowwise MXFP8: a row per token
         mark_grouped_tensor(fp8.scale_inv)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from te_paged.grouped.fp8 import (
     FP8_E4M3_MAX,
@@ -252,3 +254,64 @@ def test_fp8_parts_round_trip_through_the_paged_stash(recipe: Fp8Recipe) -> None
         assert stats.capture_peak_rows[str(scale_key)] == 2
         assert stats.pages_high_water[str(scale_key)] == 1  # 2 rows fit one 16-row page
     assert stats.pages_high_water[str(data_key)] == 3  # 40 rows = 3 pages of 16
+
+
+# ------------------------------------------------------------------ MXFP8's rowwise layout
+
+
+def _wide(rows: int, hidden: int, seed: int = 0) -> torch.Tensor:
+    """Rows and columns spanning 2^-20..2^20: blocks pick very different exponents."""
+    g = torch.Generator().manual_seed(seed)
+    row_scale = 2.0 ** torch.randint(-20, 21, (rows, 1), generator=g)
+    return _sample(rows, hidden, seed) * row_scale * 2.0 ** torch.randint(-20, 21, (1, hidden))
+
+
+def test_rowwise_mxfp8_layout_and_error_bound() -> None:
+    x = _wide(40, 72)  # rows need not be a multiple of 32; 72 columns: a short last block
+    fp8 = quantize(x, "mxfp8", rowwise=True)
+    assert fp8.rowwise and fp8.data.shape == (40, 72) and fp8.scale_inv.shape == (40, 3)
+    assert fp8.scale_inv.dtype == torch.float8_e8m0fnu
+    # Each row's block of 32 columns (the last one 8 wide) is its own power-of-two scale.
+    scale = fp8.scale_inv.float().repeat_interleave(32, dim=1)[:, :72]
+    amax = torch.nn.functional.pad(x.abs(), (0, 24)).view(40, 3, 32).amax(-1)
+    assert bool((amax / fp8.scale_inv.float() <= FP8_E4M3_MAX).all())
+    assert bool((amax / fp8.scale_inv.float() > FP8_E4M3_MAX / 2).all())
+    err = (dequantize(fp8) - x).abs()
+    assert bool((err <= torch.maximum(2**-4 * x.abs(), 2**-10 * scale)).all())
+    columnwise = dequantize(quantize(x[:32], "mxfp8"))
+    assert not torch.equal(dequantize(fp8)[:32], columnwise)  # the other layout: other values
+
+
+@pytest.mark.parametrize("rowwise", [True, False])
+@given(seed=st.integers(0, 2**16), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+@settings(max_examples=30, deadline=None)
+def test_mxfp8_requantisation_gives_the_same_values(rowwise: bool, seed: int, dtype) -> None:
+    """What lets a layer take a tensor that arrived quantised as it is (the module docstring's
+    argument): dequantise, quantise again with the same layout, the values do not change."""
+    x = _wide(64, 48, seed).to(dtype)
+    x[::7] = 0.0  # all-zero rows and blocks too
+    once = dequantize(quantize(x, "mxfp8", rowwise=rowwise))
+    assert torch.equal(dequantize(quantize(once, "mxfp8", rowwise=rowwise)), once)
+
+
+def test_rowwise_padding_rows_get_zero_scales_and_are_marked_as_token_rows() -> None:
+    x = _wide(32, 64)
+    x[20:] = float("nan")
+    fp8 = quantize(x, "mxfp8", num_rows=torch.tensor(20), rowwise=True)
+    assert not bool(_bytes(fp8.scale_inv)[20:].any()) and not bool(_bytes(fp8.data)[20:].any())
+    assert torch.equal(fp8.data[:20].view(torch.uint8),
+                       quantize(x[:20], "mxfp8", rowwise=True).data.view(torch.uint8))  # fmt: skip
+    mark_fp8_saved(fp8)
+    assert grouped_tensor_marker(fp8.data) is MarkerKind.TOKEN_ROWS
+    assert grouped_tensor_marker(fp8.scale_inv) is MarkerKind.TOKEN_ROWS  # a scale row a token
+    rebuilt, rest = Fp8Tensor.from_saved([*fp8.saved(), x], fp8.recipe, x.dtype, rowwise=True)
+    assert torch.equal(dequantize(rebuilt)[:20], dequantize(fp8)[:20]) and len(rest) == 1
+
+
+def test_rowwise_is_mxfp8_only_and_checks_its_scale_shape() -> None:
+    with pytest.raises(ValueError, match="rowwise=True is MXFP8's layout"):
+        quantize(torch.zeros(32, 32), "tensorwise", rowwise=True)
+    fp8 = quantize(torch.ones(32, 64), "mxfp8", rowwise=True)
+    fp8.scale_inv = fp8.scale_inv[:, :1]
+    with pytest.raises(ValueError, match="rowwise MXFP8 scale_inv"):
+        dequantize(fp8)
