@@ -32,10 +32,15 @@ constructor and ``forward`` is taken, in TE's order, and either implemented or a
 no-op value (tensor-parallel and userbuffer ones are refused at any other). The grouped GEMMs
 themselves are in :mod:`te_paged.grouped.grouped_mm`.
 
-FP8 (``fp8_recipe``): the input is quantised (``tensorwise`` or ``mxfp8``, see
-:mod:`te_paged.grouped.fp8`); the GEMMs run on the dequantised input with high-precision
+FP8 (``fp8_recipe``): the input is quantised (``tensorwise``, ``mxfp8`` or ``nvfp4``, see
+:mod:`te_paged.grouped.fp8`); the GEMMs run on the dequantised operands with high-precision
 weights, a CPU emulation of an FP8 GEMM with FP8 activations. Backward keeps only the FP8 bytes
-and scale-inverses (marked for the stash) and dequantises them for the weight gradient.
+and scale-inverses (marked for the stash) and dequantises them for the weight gradient. MXFP8
+follows Transformer Engine's recipe further: each GEMM reads its own layout (the forward GEMM
+the input rowwise, blocks of 32 along ``in_features``; the weight gradient the saved columnwise
+copy, blocks of 32 tokens), and the gradient is quantised too (rowwise for the input gradient,
+columnwise for the weight gradient; the bias gradient sums the high-precision one). Tensorwise
+and NVFP4 keep gradients in high precision and use one copy of the input for both GEMMs.
 """
 
 from __future__ import annotations
@@ -49,12 +54,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from te_paged.grouped.fp8 import Fp8Recipe
+from te_paged.grouped.fp8 import Fp8Recipe, dequantize
 from te_paged.grouped.grouped_mm import (
     DgradInto,
     FakeQuant,
     FnOptions,
+    GradTo,
     GroupedLinearFn,
+    LegacyMxfp8Linear,
     MainGradSink,
     Splits,
     stack_params,
@@ -129,7 +136,9 @@ class GroupedLinear(nn.Module):
     Negative splits or splits summing past the input's rows are an error: the legacy path
     raises, the device path (which cannot look without a sync) counts the forward in the
     device buffer ``invalid_splits`` (TEGroupedMLP reports it to the step runners, which refuse
-    the step). ``inp`` may instead be a :class:`GroupedTensor`. Weights are cast to ``inp``'s
+    the step). ``inp`` may instead be a :class:`GroupedTensor`, also one that arrived quantised
+    (``fp8`` rowwise MXFP8, the FP8 dispatch wire format; :meth:`_prequantized_values` has the
+    rules). Weights are cast to ``inp``'s
     dtype when they differ (gradients flow back through the cast, as in TE).
     """
 
@@ -309,10 +318,10 @@ class GroupedLinear(nn.Module):
         # is_first_microbatch only lets TE cache FP8 weight copies: te_paged keeps none.
         offsets_E = None
         if isinstance(inp, GroupedTensor):
-            if m_splits is not None or inp.fp8 is not None:
-                raise ValueError("with a GroupedTensor input pass no m_splits (it carries its "
-                                 "own) and a high-precision tensor (fp8=None)")  # fmt: skip
-            m_splits, offsets_E, inp = inp.split_sizes, inp.offsets, inp.data
+            if m_splits is not None:
+                raise ValueError("with a GroupedTensor input pass no m_splits: it carries its own")
+            m_splits, offsets_E = inp.split_sizes, inp.offsets
+            inp = inp.data if inp.fp8 is None else self._prequantized_values(inp)
         if not isinstance(inp, torch.Tensor) or inp.dim() < 1 or inp.shape[-1] != self.in_features:
             raise ValueError(f"inp must be a [..., {self.in_features}] tensor, got shape "
                              f"{tuple(getattr(inp, 'shape', ()))}")  # fmt: skip
@@ -372,6 +381,31 @@ class GroupedLinear(nn.Module):
         # TE 2.19: the single grouped bias is returned as the parameter itself, uncast; the
         # per-GEMM ones as a list in the input's dtype.
         return y, (self.bias if self.single_grouped_bias else biases)
+
+    def _prequantized_values(self, inp: GroupedTensor) -> torch.Tensor:
+        """The values of a ``GroupedTensor`` that arrived quantised (``fp8``: rowwise MXFP8, as
+        an FP8 token dispatch sends it): dequantised, exactly. The layer then treats them as any
+        input; under ``fp8_recipe="mxfp8"`` the forward GEMM's rowwise requantisation gives the
+        same values, so the wire feeds it as it is, and the columnwise copy the weight gradient
+        needs is made from them, as Transformer Engine 2.19's ``ops.GroupedLinear`` does. The
+        input gradient goes to ``inp.data`` when it requires grad (its values are not read)."""
+        fp8 = inp.fp8
+        if fp8.recipe is not Fp8Recipe.MXFP8 or not fp8.rowwise:
+            got = "columnwise mxfp8" if fp8.recipe is Fp8Recipe.MXFP8 else fp8.recipe.value
+            raise ValueError("a quantised GroupedTensor input must be rowwise MXFP8 (FP8 "
+                             f"dispatch's wire format), got {got}")  # fmt: skip
+        if not self.use_grouped_tensor:
+            raise NotImplementedError(
+                "a quantised GroupedTensor input takes the device-initiated path only: leave "
+                "use_grouped_tensor at True or None (TE's legacy split path refuses it too)"
+            )
+        values = dequantize(fp8)
+        if not inp.data.requires_grad:
+            return values
+        if inp.data.dtype != values.dtype:
+            raise TypeError(f"GroupedTensor.data ({inp.data.dtype}) must have the dtype its fp8 "
+                            f"copy was quantised from ({values.dtype})")  # fmt: skip
+        return GradTo.apply(inp.data, values)
 
     def _check_host_splits(self) -> None:
         """Host ``m_splits`` on the device-initiated path: TE 2.19's rules. Single grouped
@@ -434,11 +468,13 @@ class GroupedLinear(nn.Module):
         num_rows = sum(splits)
         if num_rows > rows:
             raise ValueError(f"m_splits sums to {num_rows} rows but the input has {rows}")
-        if self.fp8_recipe is not None:
-            num_rows_t = torch.tensor(num_rows, device=x_TI.device)
-            x_TI = FakeQuant.apply(x_TI, self.fp8_recipe, num_rows_t)
         w_list = list(stack_params(weights, 3).unbind(0)) if len(weights) == 1 else weights
         b_list = list(stack_params(biases, 2).unbind(0)) if len(biases) == 1 else biases
+        if self.fp8_recipe is not None:
+            num_rows_t = torch.tensor(num_rows, device=x_TI.device)
+            if self.fp8_recipe is Fp8Recipe.MXFP8:
+                return LegacyMxfp8Linear.apply(x_TI, num_rows_t, splits, *w_list, *b_list)
+            x_TI = FakeQuant.apply(x_TI, self.fp8_recipe, num_rows_t)
         outs = []
         for g, x_g in enumerate(torch.split(x_TI[:num_rows], splits)):
             y_g = F.linear(x_g, w_list[g])

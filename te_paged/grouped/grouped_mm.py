@@ -25,7 +25,9 @@ __all__ = [
     "DgradInto",
     "FakeQuant",
     "FnOptions",
+    "GradTo",
     "GroupedLinearFn",
+    "LegacyMxfp8Linear",
     "MainGradSink",
     "Splits",
     "grouped_mm",
@@ -180,11 +182,9 @@ class GroupedLinearFn(torch.autograd.Function):
         weights, biases = params[:num_weights], params[num_weights:]
         rows = x_TI.shape[0]
         w_EOI = stack_params(weights, 3)
-        fp8 = None
-        x_mm = x_TI
-        if recipe is not None:
-            fp8 = quantize(x_TI, recipe, num_rows=offsets_E[-1])
-            x_mm = dequantize(fp8, x_TI.dtype)
+        needs = ctx.needs_input_grad
+        saves_fp8 = any(needs[4 : 4 + num_weights]) and not opts.save_original_input
+        fp8, x_mm = _quantize_input(x_TI, recipe, offsets_E[-1], saves_fp8)
         y_TO = grouped_mm(x_mm, w_EOI.transpose(-2, -1), offsets_E)
         if biases:
             b_EO = stack_params(biases, 2)
@@ -196,7 +196,6 @@ class GroupedLinearFn(torch.autograd.Function):
         pad_T1 = ~row_mask_from_offsets(offsets_E, rows).unsqueeze(1)
         y_TO.masked_fill_(pad_T1, 0)
 
-        needs = ctx.needs_input_grad
         ctx.recipe = recipe
         ctx.opts = opts
         ctx.grouped_weight = w_EOI is weights[0]
@@ -227,12 +226,16 @@ class GroupedLinearFn(torch.autograd.Function):
         dx_TI = None
         grads_w = (None,) * len(ctx.need_wgrad)
         grads_b = (None,) * len(ctx.need_bgrad)
+        # MXFP8 quantises the gradient too: rowwise for dgrad, columnwise for wgrad (the bias
+        # gradient sums the high-precision one).
+        dy_d, dy_w = _quantize_grad(dy_TO, ctx.recipe, offsets_E[-1], ctx.need_dgrad,
+                                    any(ctx.need_wgrad))  # fmt: skip
         # dW and db reduce over tokens: on CUDA regroup to aligned group starts first.
         align = _k_align_rows(dy_TO)
         k_offsets_E = offsets_E
-        dy_k = dy_TO
-        if rows and align > 1 and (any(ctx.need_wgrad) or any(ctx.need_bgrad)):
-            dy_k, k_offsets_E = align_groups(dy_TO, offsets_E, align)
+        dy_k = dy_w
+        if rows and align > 1 and any(ctx.need_wgrad):
+            dy_k, k_offsets_E = align_groups(dy_w, offsets_E, align)
         if any(ctx.need_wgrad):
             if ctx.recipe is not None and not ctx.opts.save_original_input:
                 fp8, rest = Fp8Tensor.from_saved(rest, ctx.recipe, ctx.x_dtype)
@@ -240,7 +243,8 @@ class GroupedLinearFn(torch.autograd.Function):
             else:
                 x_TI, *rest = rest
                 if ctx.recipe is not None:  # the original input: the forward's bytes again
-                    x_TI = dequantize(quantize(x_TI, ctx.recipe, num_rows=offsets_E[-1]))
+                    x_TI = _quantize_input(x_TI, ctx.recipe, offsets_E[-1], True)[0]
+                    x_TI = dequantize(x_TI)
 
             def weight_grads() -> tuple[torch.Tensor | None, ...]:
                 if rows == 0:  # static shape: [0, *] operands fail grouped_mm's stride checks
@@ -260,7 +264,7 @@ class GroupedLinearFn(torch.autograd.Function):
                 dx_TI = dy_TO.new_zeros(0, w_EOI.shape[2])
             else:
                 pad_T1 = ~row_mask_from_offsets(offsets_E, rows).unsqueeze(1)
-                dx_TI = grouped_mm(dy_TO, w_EOI, offsets_E).masked_fill_(pad_T1, 0)
+                dx_TI = grouped_mm(dy_d, w_EOI, offsets_E).masked_fill_(pad_T1, 0)
         if any(ctx.need_bgrad):
             if rows == 0:
                 db_EO = dy_TO.new_zeros(num_groups, dy_TO.shape[1])
@@ -269,10 +273,78 @@ class GroupedLinearFn(torch.autograd.Function):
                 starts = [0, *ends[:-1]]
                 db_EO = torch.stack([dy_TO[r0:r1].sum(0) for r0, r1 in zip(starts, ends)])
             else:
-                ones_TK = dy_k.new_ones(dy_k.shape[0], _ALIGN_BYTES // dy_k.element_size())
-                db_EO = grouped_mm(dy_k.t(), ones_TK, k_offsets_E)[..., 0]
+                dy_b, b_offsets_E = dy_TO, offsets_E
+                if align > 1:
+                    dy_b, b_offsets_E = align_groups(dy_TO, offsets_E, align)
+                ones_TK = dy_b.new_ones(dy_b.shape[0], _ALIGN_BYTES // dy_b.element_size())
+                db_EO = grouped_mm(dy_b.t(), ones_TK, b_offsets_E)[..., 0]
             grads_b = _split_grad(db_EO, ctx.grouped_bias, ctx.need_bgrad)
         return (dx_TI, None, None, None, *grads_w, *grads_b)
+
+
+def _quantize_input(
+    x_TI: torch.Tensor, recipe: Fp8Recipe | None, num_rows: torch.Tensor, saves: bool
+) -> tuple[Fp8Tensor | None, torch.Tensor]:
+    """``(saved, forward operand)`` of the input under ``recipe``: the FP8 copy backward keeps
+    (when ``saves``) and the dequantised values the forward GEMM reads. MXFP8 quantises each
+    for its GEMM, as Transformer Engine does: rowwise (blocks along ``I``, the forward GEMM's
+    reduction) for the forward, columnwise (blocks of 32 tokens) for the weight gradient. The
+    other recipes use one copy for both."""
+    if recipe is None:
+        return None, x_TI
+    if recipe is Fp8Recipe.MXFP8:
+        fwd = dequantize(quantize(x_TI, recipe, num_rows, rowwise=True), x_TI.dtype)
+        return (quantize(x_TI, recipe, num_rows) if saves else None), fwd
+    fp8 = quantize(x_TI, recipe, num_rows)
+    return fp8, dequantize(fp8, x_TI.dtype)
+
+
+def _quantize_grad(
+    dy_TO: torch.Tensor, recipe: Fp8Recipe | None, num_rows: torch.Tensor, dgrad: bool, wgrad: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dgrad operand, wgrad operand)``: under MXFP8 ``dy`` dequantised from its rowwise
+    (blocks along ``O``) and its columnwise copy, as TE's MXFP8 recipe quantises gradients
+    (E4M3); the other recipes keep gradients in high precision."""
+    if recipe is not Fp8Recipe.MXFP8:
+        return dy_TO, dy_TO
+    d = dequantize(quantize(dy_TO, recipe, num_rows, rowwise=True)) if dgrad else dy_TO
+    w = dequantize(quantize(dy_TO, recipe, num_rows)) if wgrad else dy_TO
+    return d, w
+
+
+class LegacyMxfp8Linear(torch.autograd.Function):
+    """The legacy path's MXFP8 emulation over host splits: the device path's arithmetic (input
+    and gradient each quantised rowwise for one GEMM and columnwise for the weight gradient)
+    with one ``F.linear`` / ``mm`` per group. ``params``: ``E`` weights ``[O, I]`` then ``E``
+    biases ``[O]`` or none."""
+
+    @staticmethod
+    def forward(ctx, x_TI, num_rows, splits, *params):
+        num = len(splits)
+        weights, biases = params[:num], params[num:]
+        rows, total = x_TI.shape[0], sum(splits)
+        x_row = _quantize_input(x_TI, Fp8Recipe.MXFP8, num_rows, False)[1]
+        outs = []
+        for g, x_g in enumerate(torch.split(x_row[:total], splits)):
+            y_g = torch.nn.functional.linear(x_g, weights[g])
+            outs.append(y_g + biases[g] if biases else y_g)
+        outs.append(x_TI.new_zeros(rows - total, weights[0].shape[0]))
+        x_col = dequantize(quantize(x_TI, Fp8Recipe.MXFP8, num_rows))
+        ctx.save_for_backward(x_col, num_rows, *weights)
+        ctx.splits, ctx.has_bias = splits, bool(biases)
+        return torch.cat(outs)
+
+    @staticmethod
+    def backward(ctx, dy_TO):
+        x_col, num_rows, *weights = ctx.saved_tensors
+        splits, total = ctx.splits, sum(ctx.splits)
+        dy_d, dy_w = _quantize_grad(dy_TO.contiguous(), Fp8Recipe.MXFP8, num_rows, True, True)
+        dx = [dy_g.mm(w) for dy_g, w in zip(torch.split(dy_d[:total], splits), weights)]
+        dx.append(dy_TO.new_zeros(dy_TO.shape[0] - total, x_col.shape[1]))
+        groups = zip(torch.split(dy_w[:total], splits), torch.split(x_col[:total], splits))
+        dw = [dy_g.t().mm(x_g) for dy_g, x_g in groups]
+        db = [dy_g.sum(0) for dy_g in torch.split(dy_TO[:total], splits)] if ctx.has_bias else []
+        return (torch.cat(dx), None, None, *dw, *db)
 
 
 class FakeQuant(torch.autograd.Function):
@@ -313,6 +385,23 @@ class MainGradSink(torch.autograd.Function):
             main_grad.add_(grad.to(main_grad.dtype))
         weight.grad_added_to_main_grad = True
         return None
+
+
+class GradTo(torch.autograd.Function):
+    """``values`` forward; its gradient goes to ``handle`` (same shape and dtype), whose own
+    values are not read: how a tensor that arrived quantised passes its gradient back to the
+    autograd graph that produced it. Saves nothing for backward."""
+
+    @staticmethod
+    def forward(ctx, handle: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        if handle.shape != values.shape:
+            raise ValueError(f"the gradient handle has shape {tuple(handle.shape)}, the values "
+                             f"{tuple(values.shape)}")  # fmt: skip
+        return values.view_as(values)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
 
 
 class DgradInto(torch.autograd.Function):

@@ -419,7 +419,7 @@ def test_fp8_saves_marked_fp8_parts_only(recipe, expected):
     assert not [r for r in records if r[0] == (T, IN) and r[1] == torch.float32]
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "nvfp4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_matches_quantize_dequantize_by_hand(recipe, dtype):
     mod = _module(dtype, bias=True, fp8_recipe=recipe)
@@ -433,6 +433,49 @@ def test_fp8_matches_quantize_dequantize_by_hand(recipe, dtype):
     assert all(torch.equal(a, b) for a, b in zip(dw, r_dw))
     assert all(torch.equal(a, b) for a, b in zip(db, r_db))  # on CPU: the same sums
     assert not torch.equal(out, _run(_module(dtype, bias=True), x, dy, torch.tensor(SPLITS))[0])
+
+
+def _wide_range_inputs(dtype):
+    """x and dy whose rows and columns span 2^-6..2^6: rowwise and columnwise MXFP8 blocks then
+    pick different exponents, so a GEMM fed the wrong layout gives other values."""
+    x, dy = _inputs(dtype, pad=float("nan"))
+    g = torch.Generator().manual_seed(7)
+    for t in (x, dy):
+        rows, cols = t.shape
+        scale = 2.0 ** torch.randint(-6, 7, (rows, 1), generator=g)
+        t.mul_((scale * 2.0 ** torch.randint(-6, 7, (1, cols), generator=g)).to(dtype))
+    return x, dy
+
+
+def _fq(t, rowwise):
+    num_rows = torch.tensor(sum(SPLITS))
+    return dequantize(quantize(t, "mxfp8", num_rows=num_rows, rowwise=rowwise))
+
+
+@pytest.mark.parametrize("use_grouped_tensor", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp8_quantizes_each_gemm_operand_as_te_does_by_hand(dtype, use_grouped_tensor):
+    """TE's MXFP8 recipe: the forward GEMM reads x rowwise (blocks along in_features), dgrad
+    reads dy rowwise (blocks along out_features), wgrad reads both columnwise (blocks of 32
+    tokens); the bias gradient sums the high-precision dy."""
+    mod = _module(dtype, bias=True, fp8_recipe="mxfp8", use_grouped_tensor=use_grouped_tensor)
+    x, dy = _wide_range_inputs(dtype)
+    out, dx, _ = _run(mod, x, dy, torch.tensor(SPLITS))
+    n = sum(SPLITS)
+    assert not torch.equal(_fq(x, True)[:n], _fq(x, False)[:n])  # the layouts differ here
+    assert not torch.equal(_fq(dy, True)[:n], _fq(dy, False)[:n])
+    ws, bs = _weights(mod), _biases(mod)
+    groups = list(zip(*(torch.split(t[:n], SPLITS) for t in (
+        _fq(x, True), _fq(x, False), _fq(dy, True), _fq(dy, False), dy))))  # fmt: skip
+    r_out = [F.linear(xr, w) + b for (xr, *_), w, b in zip(groups, ws, bs)]
+    r_dx = [dyr.mm(w) for (_, _, dyr, _, _), w in zip(groups, ws)]
+    r_dw = [dyc.t().mm(xc) for _, xc, _, dyc, _ in groups]
+    r_db = [d.sum(0) for *_, d in groups]
+    dw, db = _module_grads(mod)
+    assert torch.equal(out[:n], torch.cat(r_out)) and not out[n:].any()
+    assert torch.equal(dx[:n], torch.cat(r_dx)) and not dx[n:].any()
+    assert all(torch.equal(a, b) for a, b in zip(dw, r_dw))
+    assert all(torch.equal(a, b) for a, b in zip(db, r_db))
 
 
 def test_mxfp8_needs_rows_multiple_of_32():
