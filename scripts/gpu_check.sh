@@ -9,7 +9,8 @@
 # (TEGroupedMLP and MoELayer), stash+pop bandwidth vs a device copy, step time ON/OFF with and
 # without stream overlap, peak memory vs the capacity model, `te-paged ab --device cuda`,
 # Megatron-core 0.19.2's stash kernels vs te_paged's (time ratio), te_paged's experts behind
-# Megatron's HybridEP dispatcher where deep_ep imports (N/A otherwise).
+# Megatron's HybridEP dispatcher where deep_ep imports (N/A otherwise), Transformer Engine 2.19's
+# GroupedLinear cases (ported to CPU in tests/unit/grouped) on CUDA bf16.
 # See scripts/gpu_check.py. Exit status 0 only if every check met its target.
 set -uo pipefail
 cd "$(dirname "$0")/.."
