@@ -234,7 +234,7 @@ class GroupedLinearFn(torch.autograd.Function):
         align = _k_align_rows(dy_TO)
         k_offsets_E = offsets_E
         dy_k = dy_w
-        if rows and align > 1 and any(ctx.need_wgrad):
+        if rows and align > 1 and (any(ctx.need_wgrad) or any(ctx.need_bgrad)):
             dy_k, k_offsets_E = align_groups(dy_w, offsets_E, align)
         if any(ctx.need_wgrad):
             if ctx.recipe is not None and not ctx.opts.save_original_input:
@@ -273,8 +273,8 @@ class GroupedLinearFn(torch.autograd.Function):
                 starts = [0, *ends[:-1]]
                 db_EO = torch.stack([dy_TO[r0:r1].sum(0) for r0, r1 in zip(starts, ends)])
             else:
-                dy_b, b_offsets_E = dy_TO, offsets_E
-                if align > 1:
+                dy_b, b_offsets_E = dy_k, k_offsets_E  # dy regrouped, unless MXFP8's copy
+                if dy_w is not dy_TO:
                     dy_b, b_offsets_E = align_groups(dy_TO, offsets_E, align)
                 ones_TK = dy_b.new_ones(dy_b.shape[0], _ALIGN_BYTES // dy_b.element_size())
                 db_EO = grouped_mm(dy_b.t(), ones_TK, b_offsets_E)[..., 0]

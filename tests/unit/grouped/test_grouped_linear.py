@@ -635,13 +635,23 @@ def test_cuda_aligned_regrouping_on_cpu(align, monkeypatch):
     regrouped, ends = align_groups(t, torch.tensor([2, 2, 5], dtype=torch.int32), 4)
     assert ends.tolist() == [4, 4, 8] and regrouped.shape == (6 + 3 * 3, 4)
     assert regrouped[:, 0].tolist() == [0, 1, 0, 0, 2, 3, 4] + [0] * 8
-    mod = _module(bias=True)
-    x, dy = _inputs(pad=float("nan"))
-    ref = _run(mod, x, dy, torch.tensor(SPLITS))
-    monkeypatch.setattr(gl, "_k_align_rows", lambda t: align)
-    got = _run(mod, x, dy, torch.tensor(SPLITS))
-    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
-    assert all(torch.equal(a, b) for a, b in zip(got[2], ref[2]))
+    for recipe in (None, "mxfp8"):  # MXFP8: wgrad reads dy's columnwise copy, db dy itself
+        mod = _module(bias=True, fp8_recipe=recipe)
+        x, dy = _inputs(pad=float("nan"))
+        ref = _run(mod, x, dy, torch.tensor(SPLITS))
+        with monkeypatch.context() as m:
+            m.setattr(gl, "_k_align_rows", lambda t: align)
+            got = _run(mod, x, dy, torch.tensor(SPLITS))
+            assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+            assert all(torch.equal(a, b) for a, b in zip(got[2], ref[2]))
+            m.setattr(gl, "_host_reads_are_free", lambda t: False)  # CUDA's db: a GEMM
+            got = _run(mod, x, dy, torch.tensor(SPLITS))
+        weights = [p.dim() == 2 for p in mod.parameters()]
+        for is_weight, a, b in zip(weights, got[2], ref[2]):
+            if is_weight:
+                assert torch.equal(a, b)
+            else:  # another summation order
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
