@@ -242,9 +242,8 @@ class GroupedLinearFn(torch.autograd.Function):
                 x_TI = dequantize(fp8)
             else:
                 x_TI, *rest = rest
-                if ctx.recipe is not None:  # the original input: the forward's bytes again
-                    x_TI = _quantize_input(x_TI, ctx.recipe, offsets_E[-1], True)[0]
-                    x_TI = dequantize(x_TI)
+                if ctx.recipe is not None:  # the original input: the saved bytes again
+                    x_TI = dequantize(quantize(x_TI, ctx.recipe, num_rows=offsets_E[-1]))
 
             def weight_grads() -> tuple[torch.Tensor | None, ...]:
                 if rows == 0:  # static shape: [0, *] operands fail grouped_mm's stride checks
@@ -316,7 +315,8 @@ class LegacyMxfp8Linear(torch.autograd.Function):
     """The legacy path's MXFP8 emulation over host splits: the device path's arithmetic (input
     and gradient each quantised rowwise for one GEMM and columnwise for the weight gradient)
     with one ``F.linear`` / ``mm`` per group. ``params``: ``E`` weights ``[O, I]`` then ``E``
-    biases ``[O]`` or none."""
+    biases ``[O]`` or none. A reference path: it saves the dequantised columnwise copy, not
+    FP8 bytes for the paged stash."""
 
     @staticmethod
     def forward(ctx, x_TI, num_rows, splits, *params):
