@@ -54,7 +54,8 @@ class StashBackend:
     ``available(device) -> (ok, reason)`` says whether it can run for pools on ``device``
     (``reason`` completes "... but <reason>"). ``sync_free`` backends read no count on the host
     (``auto`` picks only those on an accelerator). ``direct`` backends may be called as plain
-    functions, skipping the dispatcher, when nothing watches ops (the torch reference on CPU).
+    functions, skipping the dispatcher, when nothing watches ops (both built-ins: the
+    dispatcher costs more than a Triton launch's host work).
     """
 
     name: str
@@ -99,7 +100,7 @@ def _builtins() -> dict[str, StashBackend]:
         ))  # fmt: skip
         register_backend(StashBackend(
             "triton", triton_backend.triton_copy, triton_backend.triton_pop,
-            available=triton_backend.triton_usable, sync_free=True,
+            available=triton_backend.triton_usable, sync_free=True, direct=True,
         ))  # fmt: skip
     return _BACKENDS
 

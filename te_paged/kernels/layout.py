@@ -14,6 +14,10 @@ update it without a host round trip:
     what a runner grows an overflowed pool to. Each counter has one writer (the copy writes
     ``DEMANDED`` and ``DEMAND_HWM``, the pop ``RETURNED``), so copies and pops on two streams
     never race on a read-modify-write; a stale ``RETURNED`` only over-states the peak.
+    ``COPY_TICKET``/``POP_TICKET`` are the fused kernels' scratch (:mod:`.triton_stash`): the
+    programs of one launch count themselves out there, the last one writes the launch's
+    bookkeeping and puts the ticket back to 0. Between launches both are 0 (the reference never
+    touches them).
 
 ``flags`` (int64, one per manager, shared by all its pools)
     ``OVERFLOW`` counts stashes that found no room — once non-zero, every copy and pop is a
@@ -56,6 +60,8 @@ class State(enum.IntEnum):
     DEMANDED = 8
     RETURNED = 9
     DEMAND_HWM = 10
+    COPY_TICKET = 11
+    POP_TICKET = 12
 
 
 class Flag(enum.IntEnum):

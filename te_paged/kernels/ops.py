@@ -57,8 +57,8 @@ def _(*args: object) -> None:
 
 def _direct(backend: StashBackend, data: torch.Tensor) -> bool:
     """Whether the kernel may run as a plain call, skipping the dispatcher (7 µs a call on warm
-    caches, up to 40 µs right after a large copy): only a ``direct`` backend (the torch
-    reference), and only with nothing that watches ops. Any dispatch or function mode
+    caches, up to 40 µs right after a large copy): only a ``direct`` backend (both built-ins),
+    and only with nothing that watches ops. Any dispatch or function mode
     (``MemTracker``, ``FakeTensorMode``, a guard), ``torch.compile`` tracing or a tensor
     subclass gets the one opaque op instead of the kernel's internals; ``MemTracker``, for one,
     would otherwise count the preallocated pool as memory the step allocated.

@@ -31,13 +31,23 @@ def triton_usable(device: torch.device) -> tuple[bool, str]:
     return True, ""
 
 
-def triton_copy(*args: object) -> None:
-    from te_paged.kernels.triton_stash import triton_stash_copy
+# The kernels' module once imported (the first stash): an import statement per call would cost
+# more than the rest of the host path's look-ups together.
+_KERNELS = None
 
-    triton_stash_copy(*args)
+
+def _kernels():
+    global _KERNELS
+    if _KERNELS is None:
+        from te_paged.kernels import triton_stash
+
+        _KERNELS = triton_stash
+    return _KERNELS
+
+
+def triton_copy(*args: object) -> None:
+    (_KERNELS or _kernels()).triton_stash_copy(*args)
 
 
 def triton_pop(*args: object) -> None:
-    from te_paged.kernels.triton_stash import triton_stash_pop
-
-    triton_stash_pop(*args)
+    (_KERNELS or _kernels()).triton_stash_pop(*args)

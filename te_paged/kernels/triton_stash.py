@@ -5,29 +5,52 @@ Shape suffixes: ``R`` rows of the static buffer (``max_rows``), ``H`` hidden (el
 
 Nothing here reads a device value on the host: the token count, the free-list counters and the
 flags are read by the kernels, and every launch grid comes from static shapes, so both ops are
-CUDA-graph safe. Each op is two launches on the current stream (they run in order):
+CUDA-graph safe. Each op is **one launch** on the current stream:
 
-========================  ==================================  =====================================
-kernel (grid)             reads                               writes
-========================  ==================================  =====================================
-``_alloc_kernel`` (1,)    num_tokens, flags, state,           rec_meta, rec_pages_M, state (HEAD,
-                          dev/host free lists                 HWM, ROWS_STASHED, SPILLED, host
-                                                              counters, DEMANDED, DEMAND_HWM),
-                                                              flags
-``_move_kernel`` (tiles)  rec_meta, rec_pages_M, src_RH;      dev or host pool rows (copy);
-                          flags + a pool (pop)                dst_RH rows and zero padding (pop)
-``_free_kernel`` (1,)     flags, rec_meta, rec_pages_M,       the record tier's free list at
-                          state                               ``(tail + i) % P``, TAIL/HOST_TAIL,
-                                                              RETURNED, rec_meta
-========================  ==================================  =====================================
+==================  =======================================  ====================================
+kernel (grid)       every program                            the last program to finish
+==================  =======================================  ====================================
+``_stash_kernel``   loads num_tokens, flags, the free-list   rec_meta, state (HEAD, HWM,
+(row tiles)         counters; derives the allocation; for    ROWS_STASHED, SPILLED, host
+                    its rows: page ids from the free list    counters, DEMANDED, DEMAND_HWM),
+                    into rec_pages_M, rows into the pool     flags
+``_pop_kernel``     loads rec_meta, flags; for its rows:     the record tier's free list at
+(row tiles)         page ids from rec_pages_M, pool rows     ``(tail + i) % P``, TAIL/HOST_TAIL,
+                    into dst_RH (zeros past them)            RETURNED, rec_meta, flags
+==================  =======================================  ====================================
+
+**Why one launch is race-free.** Every program loads the state it needs before writing anything
+the others read, and derives the same allocation from it (the pages at the head of the free list
+are a pure function of the counters). What the launch changes is written by exactly one program,
+the last to finish: each program, once done with its rows, takes a ticket with an acq_rel atomic
+add on ``state[COPY_TICKET]`` (``POP_TICKET`` for a pop); the one that draws ``programs − 1``
+knows every other program has loaded what it needed and, for a pop, read every row of the pages
+it is about to free (release orders a program's loads and stores before its ticket, acquire
+orders the last program's writes after all of them). It writes the counters and the record, then
+puts the ticket back to 0 for the next launch — no side tensor, no ``copy_`` after the launch,
+no spinning (no program waits for another, so nothing depends on all programs being resident).
+Across streams, copies and pops are already ordered by the manager's events (``reuse after
+pop``, ``pop after stash``), and the two tickets are separate in any case.
+
+Worked example (3 programs): programs 1, 0, 2 finish in that order and draw tickets 0, 1, 2;
+program 2 draws ``3 − 1``, writes HEAD, the record's meta and the flags, and stores ticket 0.
 
 Data moves as raw bits: callers pass integer views (int16 for bf16, uint8 for fp8, ...); loads
-and stores do no arithmetic, so float views work too. On CUDA the host pool is a pinned CPU
+and stores do no arithmetic, so float views work too. The row width is a compile-time constant
+(``HIDDEN``): pools are per (dtype, hidden), so a model compiles a handful of variants, and the
+compiler then knows each row's alignment and moves it in 128-bit accesses where the row's bytes
+allow (``te-paged bench --compiled`` prints the widths). On CUDA the host pool is a pinned CPU
 tensor that the kernels address directly (unified virtual addressing); a host tier with zero
 pages compiles its branch out (``HAS_HOST``).
+
+The host side is lean: shapes are checked once per (buffer shape, pool) and the launch's grid and
+constants are kept (:func:`_plan`); a call is then one dictionary look-up and one launch.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import weakref
 
 import torch
 import triton
@@ -38,7 +61,9 @@ from te_paged.kernels.layout import Flag, Meta, State, Tier
 __all__ = ["triton_stash_copy", "triton_stash_pop"]
 
 _MAX_ROW_PROGRAMS = 2048  # beyond this the row tiles are looped over, not launched
-_BLOCK_PAGES = 128  # page ids handled per loop step of the (1,)-grid bookkeeping kernels
+_BLOCK_PAGES = 128  # page ids handled per loop step of the pop's free-list write
+_TILE_BYTES = 16384  # bytes a program moves per step: enough loads in flight per SM
+_MAX_BLOCK_H = 1024  # row elements per step; wider rows loop over their columns
 
 # The layout's enums as compile-time constants: @triton.jit code may only read constexpr globals.
 _HEAD = tl.constexpr(int(State.HEAD))
@@ -52,6 +77,8 @@ _SPILLED = tl.constexpr(int(State.SPILLED))
 _DEMANDED = tl.constexpr(int(State.DEMANDED))
 _RETURNED = tl.constexpr(int(State.RETURNED))
 _DEMAND_HWM = tl.constexpr(int(State.DEMAND_HWM))
+_COPY_TICKET = tl.constexpr(int(State.COPY_TICKET))
+_POP_TICKET = tl.constexpr(int(State.POP_TICKET))
 _OVERFLOW = tl.constexpr(int(Flag.OVERFLOW))
 _HOST_SPILL = tl.constexpr(int(Flag.HOST_SPILL))
 _INVALID = tl.constexpr(int(Flag.INVALID))
@@ -63,18 +90,32 @@ _DEVICE = tl.constexpr(int(Tier.DEVICE))
 _HOST = tl.constexpr(int(Tier.HOST))
 
 
-# Masks are built by comparing offsets with per-tier counts (``offs < n_dev``) rather than by
+# Masks are built by comparing offsets with per-tier counts (``r < rows_dev``) rather than by
 # and-ing a scalar bool into a block: Triton 3.9's interpreter splats a scalar comparison result
 # as int64, which then makes the mask an integer and the load fail.
 
 
 @triton.jit
-def _alloc_kernel(
-    num_tokens_ptr, state_ptr, flags_ptr, dev_free_ptr, host_free_ptr, rec_pages_ptr,
-    rec_meta_ptr, max_rows, tokens_per_row, page_size, dev_pages, host_pages,
+def _row_offsets(r, stride_r, stride_h, offs_h, CONTIGUOUS: tl.constexpr, HIDDEN: tl.constexpr):
+    """Element offsets of columns ``offs_h`` of buffer rows ``r``: a contiguous buffer's rows
+    are ``HIDDEN`` apart, which the compiler then knows (and so their alignment)."""
+    if CONTIGUOUS:
+        return (r * HIDDEN)[:, None] + offs_h[None, :]
+    return (r * stride_r)[:, None] + offs_h[None, :].to(tl.int64) * stride_h
+
+
+@triton.jit
+def _stash_kernel(
+    src_ptr, src_stride_r, src_stride_h, num_tokens_ptr, state_ptr, flags_ptr, dev_free_ptr,
+    host_free_ptr, dev_pool_ptr, host_pool_ptr, rec_pages_ptr, rec_meta_ptr, max_rows,
+    tokens_per_row, page_size, dev_pages, host_pages,
+    HIDDEN: tl.constexpr,  # row width: static per pool; known, it fixes alignment and masks
+    CONTIGUOUS: tl.constexpr,  # rows HIDDEN apart, columns adjacent (every buffer te_paged has)
     HAS_HOST: tl.constexpr,  # no host tier: drop its loads and its `% host_pages` (0) entirely
-    BLOCK_PAGES: tl.constexpr,  # tile size of the page-id loop: a tl.arange length
+    BLOCK_ROWS: tl.constexpr,  # tile sizes: tl.arange lengths must be compile-time
+    BLOCK_H: tl.constexpr,
 ):  # fmt: skip
+    # The allocation, derived alike by every program from what it loads before anyone writes.
     active = tl.load(flags_ptr + _OVERFLOW) == 0
     n = tl.load(num_tokens_ptr).to(tl.int64)
     # Divide non-negative values only: C and Python round a negative `//` differently.
@@ -90,193 +131,257 @@ def _alloc_kernel(
     fits_host = (need <= host_tail - host_head) & (host_pages > 0)
     to_dev = active & ~bad & fits_dev
     to_host = active & ~bad & ~fits_dev & fits_host
-    stored = to_dev | to_host
-    overflow = active & ~bad & ~stored
-    invalid = active & bad
+    rows_dev = tl.where(to_dev, rows, 0)
+    rows_host = tl.where(to_host, rows, 0)
+    stored_rows = rows_dev + rows_host
 
-    stored_rows = tl.where(stored, rows, 0)
-    tier = to_dev.to(tl.int64) * _DEVICE + to_host.to(tl.int64) * _HOST  # Tier.NONE is 0
-    # What the step asks of the pool, stored or not, even after an overflow (layout.py).
-    asked = tl.where(bad, 0, need)
-    demanded = tl.load(state_ptr + _DEMANDED) + asked
-    outstanding = demanded - tl.load(state_ptr + _RETURNED)
-    tl.store(state_ptr + _DEMANDED, demanded)
-    tl.store(state_ptr + _DEMAND_HWM, tl.maximum(tl.load(state_ptr + _DEMAND_HWM), outstanding))
-    tl.store(rec_meta_ptr + _NEED, asked)
-    tl.store(rec_meta_ptr + _ROWS, stored_rows)
-    tl.store(rec_meta_ptr + _TIER, tier)
-    tl.store(rec_meta_ptr + _POPPED, tier * 0)
-    # Stored only when counted: with stream overlap this runs on the pack stream, and the flags
-    # are one tensor that other streams update too.
-    tl.store(flags_ptr + _OVERFLOW, tl.load(flags_ptr + _OVERFLOW) + 1, mask=overflow)
-    tl.store(flags_ptr + _INVALID, tl.load(flags_ptr + _INVALID) + 1, mask=invalid)
-    tl.store(flags_ptr + _HOST_SPILL, tl.load(flags_ptr + _HOST_SPILL) + 1, mask=to_host)
-    tl.store(state_ptr + _ROWS_STASHED, tl.load(state_ptr + _ROWS_STASHED) + stored_rows)
-
-    # Record pages: queue slots head .. head+need-1 of the chosen tier's free list.
-    n_dev = tl.where(to_dev, need, 0)
-    n_host = tl.where(to_host, need, 0)
+    # The rows: slot r // S of the record is queue slot head + r // S of the tier's free list.
     dev_mod = tl.maximum(dev_pages, 1)  # a masked-off lane must not divide by zero
-    for start in range(0, n_dev + n_host, BLOCK_PAGES):
-        offs = start + tl.arange(0, BLOCK_PAGES).to(tl.int64)
-        page = tl.load(dev_free_ptr + (head + offs) % dev_mod, mask=offs < n_dev, other=0)
+    n_tiles = (stored_rows + BLOCK_ROWS - 1) // BLOCK_ROWS
+    programs = tl.num_programs(0)
+    for t in range(tl.program_id(0).to(tl.int64), n_tiles, programs):
+        r = t * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS).to(tl.int64)
+        slot = r // page_size
+        page = tl.load(dev_free_ptr + (head + slot) % dev_mod, mask=r < rows_dev, other=0)
         if HAS_HOST:
-            slot = (host_head + offs) % host_pages
-            host_page = tl.load(host_free_ptr + slot, mask=offs < n_host, other=0)
-            page = tl.where(offs < n_host, host_page, page)
-        page = page.to(rec_pages_ptr.dtype.element_ty)
-        tl.store(rec_pages_ptr + offs, page, mask=offs < n_dev + n_host)
+            host_slot = (host_head + slot) % host_pages
+            host_page = tl.load(host_free_ptr + host_slot, mask=r < rows_host, other=0)
+            page = tl.where(r < rows_host, host_page, page)
+        # Each page id is recorded by the program holding the page's first row.
+        first = (r < stored_rows) & (r % page_size == 0)
+        tl.store(rec_pages_ptr + slot, page.to(rec_pages_ptr.dtype.element_ty), mask=first)
+        pool_r = (page.to(tl.int64) * page_size + r % page_size) * HIDDEN
+        for h0 in range(0, HIDDEN, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            mask_h = offs_h[None, :] < HIDDEN
+            pool_off = pool_r[:, None] + offs_h[None, :]
+            buf_off = _row_offsets(r, src_stride_r, src_stride_h, offs_h, CONTIGUOUS, HIDDEN)
+            x = tl.load(src_ptr + buf_off, mask=(r < stored_rows)[:, None] & mask_h)
+            tl.store(dev_pool_ptr + pool_off, x, mask=(r < rows_dev)[:, None] & mask_h)
+            if HAS_HOST:
+                tl.store(host_pool_ptr + pool_off, x, mask=(r < rows_host)[:, None] & mask_h)
 
-    hwm = tl.load(state_ptr + _HWM)
-    dev_in_use = dev_pages - (tail - head - need)
-    tl.store(state_ptr + _HEAD, head + n_dev)
-    tl.store(state_ptr + _HWM, tl.where(to_dev, tl.maximum(hwm, dev_in_use), hwm))
-    if HAS_HOST:
-        host_hwm = tl.load(state_ptr + _HOST_HWM)
-        host_in_use = host_pages - (host_tail - host_head - need)
-        tl.store(state_ptr + _HOST_HEAD, host_head + n_host)
-        tl.store(
-            state_ptr + _HOST_HWM, tl.where(to_host, tl.maximum(host_hwm, host_in_use), host_hwm)
-        )
-        tl.store(state_ptr + _SPILLED, tl.load(state_ptr + _SPILLED) + to_host.to(tl.int64))
+    # The bookkeeping, by the last program to finish (module docstring).
+    if tl.atomic_add(state_ptr + _COPY_TICKET, 1, sem="acq_rel") == programs - 1:
+        stored = to_dev | to_host
+        overflow = active & ~bad & ~stored
+        invalid = active & bad
+        tier = to_dev.to(tl.int64) * _DEVICE + to_host.to(tl.int64) * _HOST  # Tier.NONE is 0
+        # What the step asks of the pool, stored or not, even after an overflow (layout.py).
+        asked = tl.where(bad, 0, need)
+        demanded = tl.load(state_ptr + _DEMANDED) + asked
+        outstanding = demanded - tl.load(state_ptr + _RETURNED)
+        tl.store(state_ptr + _DEMANDED, demanded)
+        tl.store(state_ptr + _DEMAND_HWM, tl.maximum(tl.load(state_ptr + _DEMAND_HWM), outstanding))
+        tl.store(rec_meta_ptr + _NEED, asked)
+        tl.store(rec_meta_ptr + _ROWS, stored_rows)
+        tl.store(rec_meta_ptr + _TIER, tier)
+        tl.store(rec_meta_ptr + _POPPED, tier * 0)
+        # Stored only when counted: with stream overlap this runs on the pack stream, and the
+        # flags are one tensor that other streams update too.
+        tl.store(flags_ptr + _OVERFLOW, tl.load(flags_ptr + _OVERFLOW) + 1, mask=overflow)
+        tl.store(flags_ptr + _INVALID, tl.load(flags_ptr + _INVALID) + 1, mask=invalid)
+        tl.store(flags_ptr + _HOST_SPILL, tl.load(flags_ptr + _HOST_SPILL) + 1, mask=to_host)
+        tl.store(state_ptr + _ROWS_STASHED, tl.load(state_ptr + _ROWS_STASHED) + stored_rows)
+        n_dev = tl.where(to_dev, need, 0)
+        hwm = tl.load(state_ptr + _HWM)
+        dev_in_use = dev_pages - (tail - head - need)
+        tl.store(state_ptr + _HEAD, head + n_dev)
+        tl.store(state_ptr + _HWM, tl.where(to_dev, tl.maximum(hwm, dev_in_use), hwm))
+        if HAS_HOST:
+            host_hwm = tl.load(state_ptr + _HOST_HWM)
+            host_in_use = host_pages - (host_tail - host_head - need)
+            tl.store(state_ptr + _HOST_HEAD, host_head + tl.where(to_host, need, 0))
+            host_hwm = tl.where(to_host, tl.maximum(host_hwm, host_in_use), host_hwm)
+            tl.store(state_ptr + _HOST_HWM, host_hwm)
+            tl.store(state_ptr + _SPILLED, tl.load(state_ptr + _SPILLED) + to_host.to(tl.int64))
+        tl.store(state_ptr + _COPY_TICKET, 0)
 
 
 @triton.jit
-def _move_kernel(
-    buf_ptr, buf_stride_r, buf_stride_h, dev_pool_ptr, host_pool_ptr, rec_pages_ptr,
-    rec_meta_ptr, flags_ptr, max_rows, hidden, page_size,
-    TO_POOL: tl.constexpr,  # copy (buf -> pool) or pop (pool -> buf): different loads/stores
-    ZERO_PADDING: tl.constexpr,  # pop only: also visit rows past the stored ones, write zeros
-    HAS_HOST: tl.constexpr,  # no host tier: its pointer is a placeholder never dereferenced
+def _pop_kernel(
+    dst_ptr, dst_stride_r, dst_stride_h, state_ptr, flags_ptr, dev_free_ptr, host_free_ptr,
+    dev_pool_ptr, host_pool_ptr, rec_pages_ptr, rec_meta_ptr, max_rows, page_size, dev_pages,
+    host_pages,
+    HIDDEN: tl.constexpr,  # row width: static per pool; known, it fixes alignment and masks
+    CONTIGUOUS: tl.constexpr,  # rows HIDDEN apart, columns adjacent (every buffer te_paged has)
+    ZERO_PADDING: tl.constexpr,  # also visit rows past the stored ones, write zeros
+    HAS_HOST: tl.constexpr,  # no host tier: its pointers are placeholders never dereferenced
     BLOCK_ROWS: tl.constexpr,  # tile sizes: tl.arange lengths must be compile-time
     BLOCK_H: tl.constexpr,
+    BLOCK_PAGES: tl.constexpr,  # tile size of the free-list write
 ):  # fmt: skip
     tier = tl.load(rec_meta_ptr + _TIER)
-    rows = tl.load(rec_meta_ptr + _ROWS)  # 0 for Tier.NONE: the alloc kernel wrote it so
-    if not TO_POOL:  # after an overflow the record's pages may hold anything: read none
-        rows = tl.where(tl.load(flags_ptr + _OVERFLOW) == 0, rows, 0)
-        # Popped before: the pages may belong to another tensor by now. Read none.
-        rows = tl.where(tl.load(rec_meta_ptr + _POPPED) == 0, rows, 0)
-        # A dst shorter than the record is a caller bug the reference raises on; never write
-        # past the end of dst for it (the free kernel still returns all the record's pages).
-        rows = tl.minimum(rows, max_rows)
+    rec_rows = tl.load(rec_meta_ptr + _ROWS)  # 0 for Tier.NONE: the stash wrote it so
+    active = tl.load(flags_ptr + _OVERFLOW) == 0  # after an overflow the pages may hold anything
+    popped = tl.load(rec_meta_ptr + _POPPED) != 0  # popped before: pages may be another's now
+    rows = tl.where(active & ~popped, rec_rows, 0)
+    # A dst shorter than the record is a caller bug the reference raises on; never write past
+    # the end of dst for it (all the record's pages are still returned).
+    rows = tl.minimum(rows, max_rows)
     rows_dev = tl.where(tier == _DEVICE, rows, 0)
     rows_host = tl.where(tier == _HOST, rows, 0)
     rows = rows_dev + rows_host
 
-    offs_h = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H).to(tl.int64)
-    mask_h = offs_h[None, :] < hidden
     visit = rows
     if ZERO_PADDING:
         visit = max_rows
     n_tiles = (visit + BLOCK_ROWS - 1) // BLOCK_ROWS
-    step = tl.num_programs(0).to(tl.int64)
-    for t in range(tl.program_id(0).to(tl.int64), n_tiles, step):
+    programs = tl.num_programs(0)
+    for t in range(tl.program_id(0).to(tl.int64), n_tiles, programs):
         r = t * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS).to(tl.int64)
         page = tl.load(rec_pages_ptr + r // page_size, mask=r < rows, other=0).to(tl.int64)
-        pool_off = ((page * page_size + r % page_size) * hidden)[:, None] + offs_h[None, :]
-        buf_off = r[:, None] * buf_stride_r + offs_h[None, :] * buf_stride_h
-        on_dev = (r < rows_dev)[:, None] & mask_h
-        on_host = (r < rows_host)[:, None] & mask_h
-        if TO_POOL:
-            x = tl.load(buf_ptr + buf_off, mask=(r < rows)[:, None] & mask_h)
-            tl.store(dev_pool_ptr + pool_off, x, mask=on_dev)
-            if HAS_HOST:
-                tl.store(host_pool_ptr + pool_off, x, mask=on_host)
-        else:
+        pool_r = (page * page_size + r % page_size) * HIDDEN
+        for h0 in range(0, HIDDEN, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            mask_h = offs_h[None, :] < HIDDEN
+            pool_off = pool_r[:, None] + offs_h[None, :]
+            on_dev = (r < rows_dev)[:, None] & mask_h
             x = tl.load(dev_pool_ptr + pool_off, mask=on_dev, other=0)
             if HAS_HOST:
+                on_host = (r < rows_host)[:, None] & mask_h
                 x = tl.where(on_host, tl.load(host_pool_ptr + pool_off, mask=on_host, other=0), x)
-            if ZERO_PADDING:  # x is already 0 past the stored rows (masked loads, other=0)
-                tl.store(buf_ptr + buf_off, x, mask=(r < max_rows)[:, None] & mask_h)
-            else:
-                tl.store(buf_ptr + buf_off, x, mask=(r < rows)[:, None] & mask_h)
+            buf_off = _row_offsets(r, dst_stride_r, dst_stride_h, offs_h, CONTIGUOUS, HIDDEN)
+            # Past the stored rows x is 0 (masked loads, other=0): the padding, when visited.
+            tl.store(dst_ptr + buf_off, x, mask=(r < visit)[:, None] & mask_h)
 
-
-@triton.jit
-def _free_kernel(
-    state_ptr, flags_ptr, dev_free_ptr, host_free_ptr, rec_pages_ptr, rec_meta_ptr,
-    page_size, dev_pages, host_pages,
-    HAS_HOST: tl.constexpr,  # no host tier: drop its stores and its `% host_pages` (0) entirely
-    BLOCK_PAGES: tl.constexpr,  # tile size of the page-id loop: a tl.arange length
-):  # fmt: skip
-    tier = tl.load(rec_meta_ptr + _TIER)
-    need = (tl.load(rec_meta_ptr + _ROWS) + page_size - 1) // page_size
-    active = tl.load(flags_ptr + _OVERFLOW) == 0  # overflow: pool untouched
-    popped = tl.load(rec_meta_ptr + _POPPED) != 0  # a second pop: free nothing, count it
-    need = tl.where(active & ~popped, need, 0)
-    stored = (tier == _DEVICE) | (tier == _HOST)
-    # Only a second pop writes the flag: the compute stream adds to it too (the experts'
-    # count checks), and an unconditional read-modify-write from the unpack stream could undo
-    # its update.
-    tl.store(flags_ptr + _INVALID, tl.load(flags_ptr + _INVALID) + 1, mask=popped)
-    tl.store(rec_meta_ptr + _POPPED, (popped | (active & stored)).to(tl.int64))
-    # The demand comes back once, stored or not (a second pop finds NEED cleared, or POPPED).
-    back = tl.where(popped, 0, tl.load(rec_meta_ptr + _NEED))
-    tl.store(state_ptr + _RETURNED, tl.load(state_ptr + _RETURNED) + back)
-    tl.store(rec_meta_ptr + _NEED, back * 0)
-    n_dev = tl.where(tier == _DEVICE, need, 0)
-    n_host = tl.where(tier == _HOST, need, 0)
-    tail = tl.load(state_ptr + _TAIL)
-    host_tail = tl.load(state_ptr + _HOST_TAIL)
-    dev_mod = tl.maximum(dev_pages, 1)  # a masked-off lane must not divide by zero
-    for start in range(0, n_dev + n_host, BLOCK_PAGES):
-        offs = start + tl.arange(0, BLOCK_PAGES).to(tl.int64)
-        page = tl.load(rec_pages_ptr + offs, mask=offs < n_dev + n_host, other=0)
-        dev_page = page.to(dev_free_ptr.dtype.element_ty)
-        tl.store(dev_free_ptr + (tail + offs) % dev_mod, dev_page, mask=offs < n_dev)
+    # The free list, by the last program to finish: every row of the pages it returns is read.
+    if tl.atomic_add(state_ptr + _POP_TICKET, 1, sem="acq_rel") == programs - 1:
+        need = (rec_rows + page_size - 1) // page_size
+        need = tl.where(active & ~popped, need, 0)
+        stored = (tier == _DEVICE) | (tier == _HOST)
+        # Only a second pop writes the flag: the compute stream adds to it too (the experts'
+        # count checks), and an unconditional read-modify-write from the unpack stream could
+        # undo its update.
+        tl.store(flags_ptr + _INVALID, tl.load(flags_ptr + _INVALID) + 1, mask=popped)
+        tl.store(rec_meta_ptr + _POPPED, (popped | (active & stored)).to(tl.int64))
+        # The demand comes back once, stored or not (a second pop finds NEED cleared, or POPPED).
+        back = tl.where(popped, 0, tl.load(rec_meta_ptr + _NEED))
+        tl.store(state_ptr + _RETURNED, tl.load(state_ptr + _RETURNED) + back)
+        tl.store(rec_meta_ptr + _NEED, back * 0)
+        n_dev = tl.where(tier == _DEVICE, need, 0)
+        n_host = tl.where(tier == _HOST, need, 0)
+        tail = tl.load(state_ptr + _TAIL)
+        host_tail = tl.load(state_ptr + _HOST_TAIL)
+        dev_mod = tl.maximum(dev_pages, 1)  # a masked-off lane must not divide by zero
+        for start in range(0, n_dev + n_host, BLOCK_PAGES):
+            offs = start + tl.arange(0, BLOCK_PAGES).to(tl.int64)
+            page = tl.load(rec_pages_ptr + offs, mask=offs < n_dev + n_host, other=0)
+            dev_page = page.to(dev_free_ptr.dtype.element_ty)
+            tl.store(dev_free_ptr + (tail + offs) % dev_mod, dev_page, mask=offs < n_dev)
+            if HAS_HOST:
+                host_page = page.to(host_free_ptr.dtype.element_ty)
+                slot = (host_tail + offs) % host_pages
+                tl.store(host_free_ptr + slot, host_page, mask=offs < n_host)
+        tl.store(state_ptr + _TAIL, tail + n_dev)
         if HAS_HOST:
-            host_page = page.to(host_free_ptr.dtype.element_ty)
-            slot = (host_tail + offs) % host_pages
-            tl.store(host_free_ptr + slot, host_page, mask=offs < n_host)
-    tl.store(state_ptr + _TAIL, tail + n_dev)
-    if HAS_HOST:
-        tl.store(state_ptr + _HOST_TAIL, host_tail + n_host)
+            tl.store(state_ptr + _HOST_TAIL, host_tail + n_host)
+        tl.store(state_ptr + _POP_TICKET, 0)
 
 
-def _check(
-    buf_RH: torch.Tensor, page_size: int, dev_pool_NH: torch.Tensor, host_pool_NH: torch.Tensor,
-    rec_pages_M: torch.Tensor,
-) -> None:  # fmt: skip
-    """Static (shape/dtype) checks only: nothing here may read device memory."""
-    if buf_RH.dim() != 2 or page_size < 1:
-        raise ValueError(
-            f"need a 2-D buffer and page_size >= 1, got {tuple(buf_RH.shape)}, "
-            f"page_size={page_size}"
-        )
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Plan:
+    """One launch's static part, kept per (buffer shape, pool): the checks it passed, the
+    grid, the scalars and the compile-time constants."""
+
+    launch: object  # kernel[grid]: Triton's launcher for the grid
+    max_rows: int
+    stride_r: int
+    stride_h: int
+    dev_pages: int
+    host_pages: int
+    has_host: bool
+    constexprs: dict[str, int | bool]
+
+
+# id(dev_pool) -> (the ids of the pool's other tensors, {buffer key: plan}). A pool's entry goes
+# when the pool does (weakref.finalize), so an id reused by a new tensor never finds it.
+_POOLS: dict[int, tuple[tuple[int, ...], dict[tuple, _Plan]]] = {}
+
+
+def _pool_plans(
+    page_size: int, dev_pool_NH: torch.Tensor, dev_free_P: torch.Tensor,
+    host_pool_NH: torch.Tensor, host_free_P: torch.Tensor,
+) -> dict[tuple, _Plan]:  # fmt: skip
+    """The plans of the pool, checked once (pools are allocated once and never reshaped)."""
+    ids = (id(dev_free_P), id(host_pool_NH), id(host_free_P), page_size)
+    entry = _POOLS.get(id(dev_pool_NH))
+    if entry is not None and entry[0] == ids:
+        return entry[1]
+    if page_size < 1:
+        raise ValueError(f"need page_size >= 1, got page_size={page_size}")
+    for name, pool in (("dev_pool_NH", dev_pool_NH), ("host_pool_NH", host_pool_NH)):
+        if pool.dim() != 2:
+            raise ValueError(f"{name} must be [pages * page_size, hidden], got {tuple(pool.shape)}")
+        if not pool.is_contiguous():
+            raise ValueError(f"{name} must be contiguous: its rows are addressed as page*S*H")
+    if entry is None:
+        weakref.finalize(dev_pool_NH, _POOLS.pop, id(dev_pool_NH), None)
+    plans: dict[tuple, _Plan] = {}
+    _POOLS[id(dev_pool_NH)] = (ids, plans)
+    return plans
+
+
+def _plan(
+    buf_RH: torch.Tensor, page_size: int, dev_pool_NH: torch.Tensor, dev_free_P: torch.Tensor,
+    host_pool_NH: torch.Tensor, host_free_P: torch.Tensor, rec_pages_M: torch.Tensor,
+    op: tuple[str, int | bool],
+) -> _Plan:  # fmt: skip
+    """The launch plan of ``op``, ``("copy", tokens_per_row)`` or ``("pop", zero_padding)``,
+    for this buffer shape and pool: built and checked on the first call only. Static (shape and
+    dtype) checks only: nothing here may read device memory."""
+    plans = _pool_plans(page_size, dev_pool_NH, dev_free_P, host_pool_NH, host_free_P)
+    key = (buf_RH.shape, buf_RH.stride(), buf_RH.dtype, rec_pages_M.shape, op)
+    plan = plans.get(key)
+    if plan is None:
+        plan = plans[key] = _new_plan(
+            buf_RH, page_size, dev_pool_NH, dev_free_P, host_pool_NH, host_free_P, rec_pages_M,
+            op,
+        )  # fmt: skip
+    return plan
+
+
+def _new_plan(
+    buf_RH: torch.Tensor, page_size: int, dev_pool_NH: torch.Tensor, dev_free_P: torch.Tensor,
+    host_pool_NH: torch.Tensor, host_free_P: torch.Tensor, rec_pages_M: torch.Tensor,
+    op: tuple[str, int | bool],
+) -> _Plan:  # fmt: skip
+    if buf_RH.dim() != 2:
+        raise ValueError(f"need a 2-D buffer, got {tuple(buf_RH.shape)}")
     for name, pool in (("dev_pool_NH", dev_pool_NH), ("host_pool_NH", host_pool_NH)):
         if pool.numel() and (pool.dtype != buf_RH.dtype or pool.shape[1:] != buf_RH.shape[1:]):
             raise ValueError(
                 f"{name} is {pool.dtype} {tuple(pool.shape)} but the buffer is "
                 f"{buf_RH.dtype} {tuple(buf_RH.shape)}: dtype and hidden must match"
             )
-        if not pool.is_contiguous():
-            raise ValueError(f"{name} must be contiguous: its rows are addressed as page*S*H")
-    slots = triton.cdiv(buf_RH.shape[0], page_size)
+    max_rows, hidden = buf_RH.shape
+    slots = triton.cdiv(max_rows, page_size)
     if rec_pages_M.numel() < slots:
         raise ValueError(
-            f"rec_pages_M has {rec_pages_M.numel()} slots; {buf_RH.shape[0]} rows at "
+            f"rec_pages_M has {rec_pages_M.numel()} slots; {max_rows} rows at "
             f"page size {page_size} need {slots}"
         )
-
-
-def _launch_move(
-    buf_RH: torch.Tensor, page_size: int, dev_pool_NH: torch.Tensor, host_pool_NH: torch.Tensor,
-    has_host: bool, rec_pages_M: torch.Tensor, rec_meta: torch.Tensor, flags: torch.Tensor, *,
-    to_pool: bool, zero_padding: bool,
-) -> None:  # fmt: skip
-    max_rows, hidden = buf_RH.shape
-    block_h = min(triton.next_power_of_2(max(hidden, 1)), 1024)
+    kind, value = op
+    to_pool = kind == "copy"
+    if to_pool and value < 1:
+        raise ValueError(f"tokens_per_row must be >= 1, got {value}")
+    block_h = min(triton.next_power_of_2(max(hidden, 1)), _MAX_BLOCK_H)
     # At most 64 rows and ~16 KiB per tile; at least one row.
-    block_rows = max(1, min(64, 16384 // (block_h * buf_RH.element_size())))
+    block_rows = max(1, min(64, _TILE_BYTES // (block_h * buf_RH.element_size())))
     block_rows = 1 << (block_rows.bit_length() - 1)  # tl.arange wants a power of two
-    row_programs = min(max(triton.cdiv(max_rows, block_rows), 1), _MAX_ROW_PROGRAMS)
-    grid = (row_programs, max(triton.cdiv(hidden, block_h), 1))
-    _move_kernel[grid](
-        buf_RH, buf_RH.stride(0), buf_RH.stride(1), dev_pool_NH,
-        host_pool_NH if has_host else dev_pool_NH, rec_pages_M, rec_meta, flags, max_rows,
-        hidden, page_size, TO_POOL=to_pool, ZERO_PADDING=zero_padding, HAS_HOST=has_host,
-        BLOCK_ROWS=block_rows, BLOCK_H=block_h,
+    grid = (min(max(triton.cdiv(max_rows, block_rows), 1), _MAX_ROW_PROGRAMS),)
+    has_host = host_free_P.numel() > 0  # an empty host tier's tensors are never dereferenced
+    constexprs: dict[str, int | bool] = dict(
+        HIDDEN=hidden, CONTIGUOUS=buf_RH.stride() == (hidden, 1) or max_rows <= 1,
+        HAS_HOST=has_host, BLOCK_ROWS=block_rows, BLOCK_H=block_h,
+    )  # fmt: skip
+    if not to_pool:
+        constexprs.update(ZERO_PADDING=value, BLOCK_PAGES=_BLOCK_PAGES)
+    kernel = _stash_kernel if to_pool else _pop_kernel
+    return _Plan(
+        launch=kernel[grid], max_rows=max_rows, stride_r=buf_RH.stride(0),
+        stride_h=buf_RH.stride(1), dev_pages=dev_free_P.numel(), host_pages=host_free_P.numel(),
+        has_host=has_host, constexprs=constexprs,
     )  # fmt: skip
 
 
@@ -294,24 +399,20 @@ def triton_stash_copy(
     rec_pages_M: torch.Tensor,
     rec_meta: torch.Tensor,
 ) -> None:
-    """Same contract as :func:`~te_paged.kernels.reference.torch_stash_copy`, without host reads.
+    """Same contract as :func:`~te_paged.kernels.reference.torch_stash_copy`, without host reads,
+    in one launch.
 
     Also raises ``ValueError`` up front, from shapes alone, where the reference would fail (or
     write out of bounds) only for some token counts: ``rec_pages_M`` must hold
     ``ceil(max_rows / page_size)`` slots.
     """
-    _check(src_RH, page_size, dev_pool_NH, host_pool_NH, rec_pages_M)
-    if tokens_per_row < 1:
-        raise ValueError(f"tokens_per_row must be >= 1, got {tokens_per_row}")
-    has_host = host_free_P.numel() > 0  # an empty host tier's tensors are never dereferenced
-    _alloc_kernel[(1,)](
-        num_tokens, state, flags, dev_free_P, host_free_P if has_host else dev_free_P,
-        rec_pages_M, rec_meta, src_RH.shape[0], tokens_per_row, page_size, dev_free_P.numel(),
-        host_free_P.numel(), HAS_HOST=has_host, BLOCK_PAGES=_BLOCK_PAGES,
-    )  # fmt: skip
-    _launch_move(
-        src_RH, page_size, dev_pool_NH, host_pool_NH, has_host, rec_pages_M, rec_meta, flags,
-        to_pool=True, zero_padding=False,
+    p = _plan(src_RH, page_size, dev_pool_NH, dev_free_P, host_pool_NH, host_free_P,
+              rec_pages_M, ("copy", tokens_per_row))  # fmt: skip
+    host_free = host_free_P if p.has_host else dev_free_P
+    p.launch(
+        src_RH, p.stride_r, p.stride_h, num_tokens, state, flags, dev_free_P, host_free,
+        dev_pool_NH, host_pool_NH if p.has_host else dev_pool_NH, rec_pages_M, rec_meta,
+        p.max_rows, tokens_per_row, page_size, p.dev_pages, p.host_pages, **p.constexprs,
     )  # fmt: skip
 
 
@@ -328,19 +429,13 @@ def triton_stash_pop(
     rec_meta: torch.Tensor,
     zero_padding: bool,
 ) -> None:
-    """Same contract as :func:`~te_paged.kernels.reference.torch_stash_pop`, without host reads.
-
-    The free kernel is launched after the data kernel on the same stream, so no page returns to
-    a free list (and to the next copy) before its rows have been read.
-    """
-    _check(dst_RH, page_size, dev_pool_NH, host_pool_NH, rec_pages_M)
-    has_host = host_free_P.numel() > 0
-    _launch_move(
-        dst_RH, page_size, dev_pool_NH, host_pool_NH, has_host, rec_pages_M, rec_meta, flags,
-        to_pool=False, zero_padding=zero_padding,
-    )  # fmt: skip
-    _free_kernel[(1,)](
-        state, flags, dev_free_P, host_free_P if has_host else dev_free_P, rec_pages_M, rec_meta,
-        page_size, dev_free_P.numel(), host_free_P.numel(), HAS_HOST=has_host,
-        BLOCK_PAGES=_BLOCK_PAGES,
+    """Same contract as :func:`~te_paged.kernels.reference.torch_stash_pop`, without host reads,
+    in one launch, whose last program returns the pages once every row has been read."""
+    p = _plan(dst_RH, page_size, dev_pool_NH, dev_free_P, host_pool_NH, host_free_P,
+              rec_pages_M, ("pop", bool(zero_padding)))  # fmt: skip
+    host_free = host_free_P if p.has_host else dev_free_P
+    p.launch(
+        dst_RH, p.stride_r, p.stride_h, state, flags, dev_free_P, host_free, dev_pool_NH,
+        host_pool_NH if p.has_host else dev_pool_NH, rec_pages_M, rec_meta, p.max_rows,
+        page_size, p.dev_pages, p.host_pages, **p.constexprs,
     )  # fmt: skip

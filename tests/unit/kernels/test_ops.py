@@ -13,6 +13,7 @@ from te_paged.kernels import KernelBackend, State, get_backend, stash_copy, stas
 from te_paged.kernels.layout import FLAGS_LEN, META_LEN
 from te_paged.kernels.ops import _direct
 from te_paged.stash import PagedStashBuffer, StashKey
+from tests.triton_device import triton_device
 
 
 class _Recorder(TorchDispatchMode):
@@ -30,16 +31,19 @@ class _PassThrough(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _round_trip(mode=None) -> tuple[torch.Tensor, PagedStashBuffer]:
+def _round_trip(mode=None, backend=KernelBackend.TORCH) -> tuple[torch.Tensor, PagedStashBuffer]:
     """Stash 5 of 6 rows into pages of 2 and pop them back, the two calls inside ``mode``."""
-    buf = PagedStashBuffer(StashKey(torch.float32, 8), 4, 2, "cpu")
+    device = triton_device() if backend == KernelBackend.TRITON else torch.device("cpu")
+    buf = PagedStashBuffer(StashKey(torch.float32, 8), 4, 2, device)
     src = torch.randn(6, 8, generator=torch.Generator().manual_seed(0)).view(torch.int32)
-    dst, n = torch.full_like(src, 7), torch.tensor([5])
-    flags = torch.zeros(FLAGS_LEN, dtype=torch.int64)
-    rec, meta = torch.empty(3, dtype=torch.int32), torch.empty(META_LEN, dtype=torch.int64)
+    src = src.to(device)
+    dst, n = torch.full_like(src, 7), torch.tensor([5], device=device)
+    flags = torch.zeros(FLAGS_LEN, dtype=torch.int64, device=device)
+    rec = torch.empty(3, dtype=torch.int32, device=device)
+    meta = torch.empty(META_LEN, dtype=torch.int64, device=device)
     with mode or contextlib.nullcontext():
-        stash_copy(KernelBackend.TORCH, src, n, 1, 2, *buf.kernel_args(), flags, rec, meta)
-        stash_pop(KernelBackend.TORCH, dst, 2, *buf.kernel_args(), flags, rec, meta, True)
+        stash_copy(backend, src, n, 1, 2, *buf.kernel_args(), flags, rec, meta)
+        stash_pop(backend, dst, 2, *buf.kernel_args(), flags, rec, meta, True)
     assert int(buf.state[State.TAIL]) - int(buf.state[State.HEAD]) == 4
     assert torch.equal(dst[:5], src[:5]) and not dst[5:].any()
     return dst, buf
@@ -48,15 +52,15 @@ def _round_trip(mode=None) -> tuple[torch.Tensor, PagedStashBuffer]:
 def test_plain_eager_calls_the_kernel_directly() -> None:
     x = torch.zeros(2)
     torch_kernels, triton_kernels = get_backend(KernelBackend.TORCH), get_backend("triton")
-    assert _direct(torch_kernels, x)
-    assert not _direct(triton_kernels, x)
+    assert _direct(torch_kernels, x) and _direct(triton_kernels, x)
     assert not _direct(torch_kernels, torch.nn.Parameter(x))  # a subclass: the op
 
 
-def test_a_dispatch_mode_sees_one_opaque_op_and_the_same_result() -> None:
-    direct_dst, direct_buf = _round_trip()
+@pytest.mark.parametrize("backend", [KernelBackend.TORCH, KernelBackend.TRITON])
+def test_a_dispatch_mode_sees_one_opaque_op_and_the_same_result(backend) -> None:
+    direct_dst, direct_buf = _round_trip(backend=backend)
     recorder = _Recorder()
-    dst, buf = _round_trip(recorder)
+    dst, buf = _round_trip(recorder, backend)
     assert recorder.ops == ["te_paged::stash_copy", "te_paged::stash_pop"]
     assert torch.equal(dst, direct_dst)
     assert all(torch.equal(a, b) for a, b in zip(buf.kernel_args(), direct_buf.kernel_args()))
