@@ -299,8 +299,13 @@ def test_plan_needs_exactly_one_source(capsys) -> None:
 
 
 def test_bench_writes_reports_with_the_command(tmp_path) -> None:
+    # All but the kernel table (functional_tests/test_compiled_kernels.py runs that one).
     proc = te_paged(
         "bench",
+        "--only",
+        "stash",
+        "step",
+        "host",
         "--hidden-sizes",
         "64",
         "--token-counts",
@@ -313,15 +318,20 @@ def test_bench_writes_reports_with_the_command(tmp_path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     reports = sorted(p.name for p in tmp_path.iterdir())
-    assert [r.split("-")[0] for r in reports] == ["stash", "step_time"]
-    text = (tmp_path / reports[0]).read_text()
+    assert [r.split("-")[0] for r in reports] == ["host", "stash", "step_time"]
+    text = (tmp_path / reports[1]).read_text()
     assert "Command: `te-paged bench" in text and "median and min of 2 interleaved runs" in text
     for free_list in ("fresh", "1F1B", "alternating"):
         assert f"| 64 | 128 | 0 | {free_list} |" in text
     assert "## Backend triton: not timed" in text  # the interpreter is no kernel to time
-    step = (tmp_path / reports[1]).read_text()
+    step = (tmp_path / reports[2]).read_text()
     assert "ON / OFF" in step and "median of 2 (torch.utils.benchmark.Timer)" in step
     assert "te-paged bench: stash 1/1 [" in proc.stderr  # a line per case when piped
+    host = (tmp_path / reports[0]).read_text()
+    assert "| te_paged | stash_copy + stash_pop (Triton backend) |" in host
+    assert "| 2 (2 Triton) | – |" in host  # one launch each way, no torch op
+    assert "| megatron-core | PagedTensor.offload_to_stash + reload_from_stash |" in host
+    assert "te_paged / megatron-core, medians: **" in host
 
 
 BAD_ARGUMENTS = [
@@ -372,6 +382,11 @@ BAD_ARGUMENTS = [
     (["ab", "--engine", "megatron", "--tokens", "64"], "--tokens: not with --engine megatron"),
     (["bench", "--only", "stash", "--layers", "2"], "--layers: only for the step benchmark"),
     (["bench", "--only", "step", "--token-counts", "8"], "--token-counts: only for the stash"),
+    (["bench", "--only", "kernels", "--repeats", "3"], "--repeats: only for the stash, step and "
+     "host benchmarks"),
+    (["bench", "--only", "host", "--kernel-backend", "torch"], "--kernel-backend: only for the "
+     "stash and step benchmarks"),
+    (["bench", "--only", "fast"], "argument --only: invalid choice: 'fast'"),
 ]  # fmt: skip
 
 

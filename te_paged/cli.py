@@ -10,7 +10,7 @@
     te-paged plan   --model deepseek-v3 --seq-length 4096 --micro-batch-size 2 --ep 4 \
                     [--ring-of-experts | --capacity-factor F] \
                     [--pipeline-parallel P [--virtual-stages V] [--microbatches M]]
-    te-paged bench  [--only stash|step] [--out-dir benchmarks/results]
+    te-paged bench  [--only stash step host kernels] [--out-dir benchmarks/results]
     te-paged --version
 
 One flag per knob across the three commands (``--capacity-factor``, ``--buffer-factor-cuda``,
@@ -343,13 +343,20 @@ def _bench_parser(sub, common: argparse.ArgumentParser) -> None:
     bench = sub.add_parser(
         "bench",
         parents=[common],
-        help="stash/pop vs plain copy; step time ON/OFF",
+        help="stash/pop vs plain copy; step time ON/OFF; host path; compiled kernels",
         description="Benchmarks, medians of several runs in one process "
         "(torch.utils.benchmark.Timer; the stash kernels on CUDA: triton.testing.do_bench); "
-        "reports go to --out-dir with the command that produced them.",
+        "reports go to --out-dir with the command that produced them. stash: stash+pop vs a "
+        "plain copy; step: step time ON/OFF; host: the host microseconds of a stash+pop round "
+        "trip with the kernel launches stubbed, te_paged's and megatron-core's; kernels: every "
+        "Triton kernel te_paged launches compiled for sm_90 and sm_100 (no GPU needed), with "
+        "megatron-core's (registers, spills, access widths, SASS instructions per byte).",
     )
     bench.add_argument(
-        "--only", choices=["stash", "step"], help="run one of the two (default: both)"
+        "--only",
+        choices=["stash", "step", "host", "kernels"],
+        nargs="+",
+        help="run these (default: all four)",
     )
     bench.add_argument(
         "--out-dir",
@@ -367,9 +374,9 @@ def _bench_parser(sub, common: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "--repeats",
         type=integer(1),
-        default=7,
-        help="timed runs per case, of which the median is reported (%(default)s; the stash "
-        "benchmark on CUDA times with triton.testing.do_bench's own count instead)",
+        help="timed runs per case, of which the median is reported (7; the stash "
+        "benchmark on CUDA times with triton.testing.do_bench's own count instead; the host "
+        "benchmark: rounds of 2000 round trips)",
     )
     grid = bench.add_argument_group("stash benchmark")
     grid.add_argument(

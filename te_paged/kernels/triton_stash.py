@@ -157,9 +157,11 @@ def _stash_kernel(
             pool_off = pool_r[:, None] + offs_h[None, :]
             buf_off = _row_offsets(r, src_stride_r, src_stride_h, offs_h, CONTIGUOUS, HIDDEN)
             x = tl.load(src_ptr + buf_off, mask=(r < stored_rows)[:, None] & mask_h)
-            tl.store(dev_pool_ptr + pool_off, x, mask=(r < rows_dev)[:, None] & mask_h)
-            if HAS_HOST:
+            if HAS_HOST:  # two stores, each masked to its tier's rows: both stay 128-bit wide
+                tl.store(dev_pool_ptr + pool_off, x, mask=(r < rows_dev)[:, None] & mask_h)
                 tl.store(host_pool_ptr + pool_off, x, mask=(r < rows_host)[:, None] & mask_h)
+            else:
+                tl.store(dev_pool_ptr + pool_off, x, mask=(r < stored_rows)[:, None] & mask_h)
 
     # The bookkeeping, by the last program to finish (module docstring).
     if tl.atomic_add(state_ptr + _COPY_TICKET, 1, sem="acq_rel") == programs - 1:
@@ -236,13 +238,15 @@ def _pop_kernel(
             offs_h = h0 + tl.arange(0, BLOCK_H)
             mask_h = offs_h[None, :] < HIDDEN
             pool_off = pool_r[:, None] + offs_h[None, :]
-            on_dev = (r < rows_dev)[:, None] & mask_h
-            x = tl.load(dev_pool_ptr + pool_off, mask=on_dev, other=0)
-            if HAS_HOST:
+            if HAS_HOST:  # two loads, each masked to its tier's rows: both stay 128-bit wide
                 on_host = (r < rows_host)[:, None] & mask_h
+                x = tl.load(dev_pool_ptr + pool_off, mask=(r < rows_dev)[:, None] & mask_h,
+                            other=0)  # fmt: skip
                 x = tl.where(on_host, tl.load(host_pool_ptr + pool_off, mask=on_host, other=0), x)
+            else:
+                x = tl.load(dev_pool_ptr + pool_off, mask=(r < rows)[:, None] & mask_h, other=0)
             buf_off = _row_offsets(r, dst_stride_r, dst_stride_h, offs_h, CONTIGUOUS, HIDDEN)
-            # Past the stored rows x is 0 (masked loads, other=0): the padding, when visited.
+            # Past the stored rows x is 0 (a masked load, other=0): the padding, when visited.
             tl.store(dst_ptr + buf_off, x, mask=(r < visit)[:, None] & mask_h)
 
     # The free list, by the last program to finish: every row of the pages it returns is read.
@@ -365,12 +369,14 @@ def _new_plan(
     to_pool = kind == "copy"
     if to_pool and value < 1:
         raise ValueError(f"tokens_per_row must be >= 1, got {value}")
+    has_host = host_free_P.numel() > 0  # an empty host tier's tensors are never dereferenced
     block_h = min(triton.next_power_of_2(max(hidden, 1)), _MAX_BLOCK_H)
-    # At most 64 rows and ~16 KiB per tile; at least one row.
-    block_rows = max(1, min(64, _TILE_BYTES // (block_h * buf_RH.element_size())))
+    # At most 64 rows and ~16 KiB per tile (half with a host tier: its second access per
+    # element needs the registers); at least one row.
+    tile = _TILE_BYTES // 2 if has_host else _TILE_BYTES
+    block_rows = max(1, min(64, tile // (block_h * buf_RH.element_size())))
     block_rows = 1 << (block_rows.bit_length() - 1)  # tl.arange wants a power of two
     grid = (min(max(triton.cdiv(max_rows, block_rows), 1), _MAX_ROW_PROGRAMS),)
-    has_host = host_free_P.numel() > 0  # an empty host tier's tensors are never dereferenced
     constexprs: dict[str, int | bool] = dict(
         HIDDEN=hidden, CONTIGUOUS=buf_RH.stride() == (hidden, 1) or max_rows <= 1,
         HAS_HOST=has_host, BLOCK_ROWS=block_rows, BLOCK_H=block_h,

@@ -1,11 +1,15 @@
 """``te-paged bench``: stash/pop against a plain copy (fresh and fragmented free lists, every
-stash backend unless ``--kernel-backend`` names one), and step time ON/OFF; dated reports."""
+stash backend unless ``--kernel-backend`` names one), step time ON/OFF, the host path of a
+stash+pop round trip against megatron-core's (:mod:`te_paged.tools.launches`) and the compiled
+kernels (:mod:`te_paged.tools.kernel_table`); dated reports."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import datetime
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,16 +18,25 @@ from te_paged.tools.argtypes import check_output
 
 __all__ = ["check_bench_args", "run_bench_command"]
 
-# The stash benchmark's own flags; the step benchmark takes the model's (ModelConfig's fields),
-# and both take --device, --repeats and --kernel-backend.
+# Which benchmarks take which flags: the stash benchmark its grid, the step benchmark the model's
+# (ModelConfig's fields); --kernel-backend both of those, --repeats all but kernels.
 _STASH_ONLY = ("hidden_sizes", "token_counts")
 _BOTH = ("kernel_backend",)
+_KINDS = ("stash", "step", "host", "kernels")
+DEFAULT_REPEATS = 7
+_REPORT = {"stash": "stash", "step": "step_time", "host": "host", "kernels": "kernels"}
+
+
+def _kinds(args: argparse.Namespace) -> list[str]:
+    """The benchmarks to run, in the order they run (``--only``; all by default)."""
+    return [kind for kind in _KINDS if args.only is None or kind in args.only]
 
 
 def _reports(args: argparse.Namespace) -> list[Path]:
     today = datetime.date.today().isoformat()
-    names = [f"{kind}-{today}.md" for kind in ("stash", "step_time")
-             if args.only in (None, kind.split("_")[0])]  # fmt: skip
+    names = [f"{_REPORT[kind]}-{today}.md" for kind in _kinds(args)]
+    if "kernels" in _kinds(args):
+        names.append(f"kernels-{today}.json")
     return [args.out_dir / name for name in names]
 
 
@@ -37,11 +50,20 @@ def check_bench_args(args: argparse.Namespace) -> str | None:
     """A one-line problem with the flags or the output folder, or None."""
     from te_paged.tools.model import ModelConfig
 
+    kinds = _kinds(args)
     step_only = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in _BOTH]
-    if args.only == "stash" and _given(args, step_only):
-        return f"{', '.join(_given(args, step_only))}: only for the step benchmark"
-    if args.only == "step" and _given(args, _STASH_ONLY):
-        return f"{', '.join(_given(args, _STASH_ONLY))}: only for the stash benchmark"
+    # Each flag, and the benchmarks it is for: a flag none of the chosen ones takes is an error.
+    for names, takers, what in (
+        (step_only, {"step"}, "the step benchmark"),
+        (_STASH_ONLY, {"stash"}, "the stash benchmark"),
+        (_BOTH, {"stash", "step"}, "the stash and step benchmarks"),
+        (("repeats",), {"stash", "step", "host"}, "the stash, step and host benchmarks"),
+    ):
+        given = _given(args, names)
+        if given and not takers & set(kinds):
+            return f"{', '.join(given)}: only for {what}"
+    if args.repeats is None:
+        args.repeats = DEFAULT_REPEATS
     if args.device == "auto":
         import torch
 
@@ -72,7 +94,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     command = "te-paged " + " ".join(sys.argv[1:])
     args.out_dir.mkdir(parents=True, exist_ok=True)
     today = datetime.date.today().isoformat()
-    if args.only in (None, "stash"):
+    if "stash" in _kinds(args):
         hidden = args.hidden_sizes or STASH_HIDDEN_SIZES
         tokens = args.token_counts or STASH_TOKEN_COUNTS
         with Progress(len(hidden) * len(tokens), "te-paged bench: stash") as progress:
@@ -87,7 +109,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
             )
         (args.out_dir / f"stash-{today}.md").write_text(report)
         print(report)
-    if args.only in (None, "step"):
+    if "step" in _kinds(args):
         with Progress(args.repeats, "te-paged bench: step time") as progress:
             report = step_time_report(
                 model_config(args),
@@ -98,4 +120,30 @@ def run_bench_command(args: argparse.Namespace) -> int:
             )
         (args.out_dir / f"step_time-{today}.md").write_text(report)
         print(report)
+    if "host" in _kinds(args):
+        from te_paged.tools.launches import host_report
+
+        report = host_report(args.repeats, command=command)
+        (args.out_dir / f"host-{today}.md").write_text(report)
+        print(report)
+    if "kernels" in _kinds(args):
+        status = _kernel_table(args.out_dir / f"kernels-{today}", command)
+        if status:
+            return status
+    return 0
+
+
+def _kernel_table(stem: Path, command: str) -> int:
+    """The compiled-kernel table, in a process of its own: the kernels must be compiled, not
+    interpreted, whatever ``TRITON_INTERPRET`` this process was started with."""
+    out, js = stem.with_suffix(".md"), stem.with_suffix(".json")
+    proc = subprocess.run(
+        [sys.executable, "-m", "te_paged.tools.kernel_table", "--out", str(out), "--json",
+         str(js), "--command", command],
+        env={**os.environ, "TRITON_INTERPRET": "0"}, capture_output=True, text=True,
+    )  # fmt: skip
+    if proc.returncode:
+        print(f"te-paged bench: the kernel table failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+        return 3
+    print(out.read_text())
     return 0

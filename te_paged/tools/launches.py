@@ -254,12 +254,17 @@ def host_rows(repeats: int = 15, number: int = 2000) -> tuple[list[HostRow], str
 
 def host_report(repeats: int = 15, *, command: str = "") -> str:
     """The Markdown report of :func:`host_rows`."""
+    today = datetime.date.today()
+    title = f"# Host path of a stash+pop round trip, device work taken out ({today})"
+    if importlib.util.find_spec("triton") is None:
+        why = "Triton is not installed (pip install 'te_paged[triton]')"
+        return f"{title}\n\nNot measured: {why}.\n"
     import triton
 
     rows, why_not = host_rows(repeats)
     by_name = {r.name: r for r in rows}
     lines = [
-        f"# Host path of a stash+pop round trip, device work taken out ({datetime.date.today()})",
+        title,
         "",
         f"Command: `{command}`  ",
         f"Machine: {platform.machine()}, torch {torch.__version__}, triton {triton.__version__}, "
