@@ -46,6 +46,7 @@ and NVFP4 keep gradients in high precision and use one copy of the input for bot
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import types
 from collections.abc import Callable
@@ -54,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from te_paged.grouped.fp8 import Fp8Recipe, dequantize
+from te_paged.grouped.fp8 import Fp8Recipe, Fp8Tensor, dequantize
 from te_paged.grouped.grouped_mm import (
     DgradInto,
     FakeQuant,
@@ -109,6 +110,32 @@ def _check_buffer(
 
 def _group_size(group: object) -> int:
     return 1 if group is None else int(group.size())
+
+
+def _as_mxfp8_storage(fp8: Fp8Tensor) -> Fp8Tensor:
+    """A rowwise MXFP8 tensor as te_paged reads it: ``float8_e4m3fn`` data and
+    ``float8_e8m0fnu`` scale-inverses ``[R, ceil(H/32)]``. Transformer Engine stores both as
+    ``uint8`` bytes (its scale-inverses are the exponent bytes themselves): those are taken as
+    the same bits. Any other dtype or shape is refused — read as values, TE's exponent bytes
+    would scale the output by up to 2^127."""
+    data, scale = fp8.data, fp8.scale_inv
+    if data.dtype == torch.uint8:
+        data = data.view(torch.float8_e4m3fn)
+    if scale.dtype == torch.uint8:
+        scale = scale.view(torch.float8_e8m0fnu)
+    if data.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"a rowwise MXFP8 input's data must be float8_e4m3fn (or TE's uint8 "
+                        f"bytes), got {fp8.data.dtype}")  # fmt: skip
+    if scale.dtype != torch.float8_e8m0fnu:
+        raise TypeError(f"a rowwise MXFP8 input's scale_inv must be float8_e8m0fnu (or TE's "
+                        f"uint8 exponent bytes), got {fp8.scale_inv.dtype}")  # fmt: skip
+    rows, hidden = data.shape
+    blocks = -(-hidden // MXFP8_SCALE_BLOCK)
+    if tuple(scale.shape) != (rows, blocks):
+        raise ValueError(f"a rowwise MXFP8 input of {tuple(data.shape)} has scale_inv "
+                         f"{tuple(scale.shape)}; expected ({rows}, {blocks}), one per "
+                         f"{MXFP8_SCALE_BLOCK} elements of a row")  # fmt: skip
+    return dataclasses.replace(fp8, data=data, scale_inv=scale)
 
 
 class GroupedLinear(nn.Module):
@@ -352,14 +379,18 @@ class GroupedLinear(nn.Module):
         if self.use_grouped_tensor and host_splits:
             self._check_host_splits()
         if self.use_grouped_tensor and not host_splits:
+            # A GroupedTensor's own splits are checked as m_splits are: the group count here,
+            # the counts on the device (its offsets clamp silently where the counts overrun).
+            name = "m_splits" if offsets_E is None else "the GroupedTensor's split_sizes"
             if offsets_E is None:
                 _check_splits(m_splits, x_TI.device, "m_splits")
-                if m_splits.numel() != self.num_gemms:
-                    raise ValueError(f"m_splits has {m_splits.numel()} entries, expected "
-                                     f"num_gemms={self.num_gemms}")  # fmt: skip
+            if m_splits.numel() != self.num_gemms:
+                raise ValueError(f"{name} has {m_splits.numel()} entries, expected "
+                                 f"num_gemms={self.num_gemms}")  # fmt: skip
+            if offsets_E is None:
                 offsets_E = offsets_from_splits(m_splits, rows)
-                bad = splits_are_invalid(m_splits, rows).to(self.invalid_splits.device)
-                self.invalid_splits.add_(bad)
+            bad = splits_are_invalid(m_splits, rows).to(self.invalid_splits.device)
+            self.invalid_splits.add_(bad)
             self.check_device_path()
             opts = FnOptions(
                 self.fp8_recipe,
@@ -399,7 +430,7 @@ class GroupedLinear(nn.Module):
                 "a quantised GroupedTensor input takes the device-initiated path only: leave "
                 "use_grouped_tensor at True or None (TE's legacy split path refuses it too)"
             )
-        values = dequantize(fp8)
+        values = dequantize(_as_mxfp8_storage(fp8))
         if not inp.data.requires_grad:
             return values
         if inp.data.dtype != values.dtype:

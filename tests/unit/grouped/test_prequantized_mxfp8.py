@@ -14,6 +14,7 @@ te_paged weights by the probabilities in the fused activation, not in GroupedLin
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -172,3 +173,33 @@ def test_prequantized_input_is_refused_where_it_cannot_be_honoured():
     handle = torch.zeros(192, FEAT, requires_grad=True)  # float32, the wire came from bf16
     with pytest.raises(TypeError, match="must have the dtype"):
         _module()(GroupedTensor.from_splits(handle, splits, fp8=rowwise.fp8))
+
+
+def test_te_stored_uint8_bytes_are_taken_as_the_same_bits() -> None:
+    # Transformer Engine stores MXFP8 data and its e8m0 scale-inverses as uint8 bytes. Before:
+    # a uint8 scale_inv was read as values (the output scaled by ~1.5e4); now the same bits.
+    splits = _splits()
+    wire = _wire(_rand(sum(splits), 1), splits)
+    fp8 = wire.fp8
+    te_bytes = dataclasses.replace(fp8, data=fp8.data.view(torch.uint8),
+                                   scale_inv=fp8.scale_inv.view(torch.uint8))  # fmt: skip
+    mod = _module()
+    y = mod(wire)
+    y_te = mod(GroupedTensor.from_splits(wire.data, torch.tensor(splits), fp8=te_bytes))
+    assert torch.equal(y, y_te)
+
+
+@pytest.mark.parametrize(
+    ("field", "bad", "error", "match"),
+    [
+        ("scale_inv", lambda s: s.float(), TypeError, "scale_inv must be float8_e8m0fnu"),
+        ("scale_inv", lambda s: s[:, :1], ValueError, "expected .*one per 32 elements"),
+        ("data", lambda d: d.to(torch.float8_e5m2), TypeError, "data must be float8_e4m3fn"),
+    ],
+)
+def test_other_scale_or_data_storage_is_refused_naming_it(field, bad, error, match) -> None:
+    splits = _splits()
+    wire = _wire(_rand(sum(splits), 1), splits)
+    fp8 = dataclasses.replace(wire.fp8, **{field: bad(getattr(wire.fp8, field))})
+    with pytest.raises(error, match=match):
+        _module()(GroupedTensor.from_splits(wire.data, torch.tensor(splits), fp8=fp8))

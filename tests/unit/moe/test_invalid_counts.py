@@ -34,6 +34,30 @@ def test_both_grouped_linear_paths_refuse_the_same_counts(splits) -> None:
     assert int(device.invalid_splits) == 1  # valid counts add nothing
 
 
+@pytest.mark.parametrize("splits", [*BAD_SPLITS, [40, 40, 0, 0]])
+def test_a_grouped_tensor_input_has_its_own_splits_counted_like_m_splits(splits) -> None:
+    # Before: a GroupedTensor whose split_sizes overran its rows (or held a negative count)
+    # was computed on clamped offsets, invalid_splits 0: a group got fewer rows, silently.
+    from te_paged.grouped import GroupedTensor
+
+    x = torch.randn(ROWS, 16)
+    layer = GroupedLinear(EXPERTS, 16, 16)
+    layer(GroupedTensor.from_splits(x, torch.tensor(splits)))
+    assert int(layer.invalid_splits) == 1
+    layer(GroupedTensor.from_splits(x, torch.tensor([10, 0, 7, 13])))
+    assert int(layer.invalid_splits) == 1
+
+
+def test_a_grouped_tensor_of_another_group_count_is_refused_naming_both() -> None:
+    # Before: torch's "matrix batch sizes have to match", deep in the grouped GEMM.
+    from te_paged.grouped import GroupedTensor
+
+    layer = GroupedLinear(2, 16, 16)
+    three = GroupedTensor.from_splits(torch.randn(ROWS, 16), torch.tensor([4, 4, 4]))
+    with pytest.raises(ValueError, match="split_sizes has 3 entries, expected num_gemms=2"):
+        layer(three)
+
+
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("splits", BAD_SPLITS)
 def test_experts_report_invalid_counts_and_the_runner_refuses_the_step(paged, splits) -> None:

@@ -309,6 +309,57 @@ def test_counts_the_buffer_cannot_hold_are_invalid_in_both_modes(num_tokens: int
         assert stats.invalid and not stats.overflow
 
 
+@pytest.mark.parametrize("skip_immediate_backward", [True, False])
+def test_a_kept_scope_checks_its_count_on_the_device_as_a_paged_one_does(
+    skip_immediate_backward,
+) -> None:
+    # Before: with skip_immediate_backward (the default) the kept scope never reached the stash
+    # kernels, so 20 tokens for a 16-row buffer passed unflagged there and were flagged in any
+    # other layer. The check reads nothing on the host (the paged scope's reference kernels on
+    # CPU do, by design: they are not the CUDA path).
+    from tests.host_reads import NoHostReads
+
+    manager = PagedStashManager(page_size=4, buffer_size_factor_cuda=2.0,
+                                skip_immediate_backward=skip_immediate_backward)  # fmt: skip
+    for step, n in enumerate([8, 8, 20, -1, 16]):
+        manager.reset()
+        t = torch.randn(16, 2, requires_grad=True)
+        mark_grouped_tensor(t)
+        kept = skip_immediate_backward and step > 0  # step 0 captures
+        with NoHostReads() if kept else contextlib.nullcontext():
+            with manager.scope(16, torch.tensor(n), 8):
+                out = Keep.apply(t)
+        out.sum().backward()
+        stats = manager.stats()
+        assert stats.stashes_skipped == kept
+        assert stats.invalid == (n < 0 or n > 16) and not stats.overflow, (step, n)
+
+
+def test_the_runner_refuses_a_step_whose_kept_scope_saw_an_impossible_count() -> None:
+    from te_paged import PagedStashRunner
+    from te_paged.runtime import InvalidCountsError
+
+    manager = PagedStashManager(page_size=4, buffer_size_factor_cuda=2.0)  # keeps the last scope
+    runner = PagedStashRunner(torch.nn.Linear(2, 2), manager)
+
+    def step(counts):
+        def fn():
+            h = torch.randn(16, 2, requires_grad=True)
+            for layer, n in enumerate(counts, 1):
+                mark_grouped_tensor(h)
+                with manager.scope(16, torch.tensor(n), 8, layer=layer):
+                    h = Keep.apply(h)
+            h.sum().backward()
+
+        return fn
+
+    runner.step(step([8, 8]))  # the capture step: the second scope is immediate
+    runner.step(step([8, 8]))
+    assert manager.stats().stashes_skipped == 1
+    with pytest.raises(InvalidCountsError, match="layer 2: num_tokens 20 for a buffer of 16"):
+        runner.step(step([8, 20]))  # the kept layer's count
+
+
 def test_disabled_manager_installs_no_hooks() -> None:
     manager = PagedStashManager(page_size=4, skip_immediate_backward=False)
     with manager.disabled():
