@@ -48,13 +48,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import os
 import types
+import warnings
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from te_paged.config.checks import require_bool
 from te_paged.grouped.fp8 import Fp8Recipe, Fp8Tensor, dequantize
 from te_paged.grouped.grouped_mm import (
     DgradInto,
@@ -67,6 +70,7 @@ from te_paged.grouped.grouped_mm import (
     Splits,
     stack_params,
 )
+from te_paged.grouped.grouped_parameter import GroupedParameter
 from te_paged.grouped.grouped_tensor import (
     GroupedTensor,
     _check_splits,
@@ -110,6 +114,32 @@ def _check_buffer(
 
 def _group_size(group: object) -> int:
     return 1 if group is None else int(group.size())
+
+
+#: Transformer Engine's switch of the device-initiated path before ``use_grouped_tensor``.
+FUSED_GROUPED_GEMM_ENV = "NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM"
+
+
+def _fused_grouped_gemm_env() -> bool | None:
+    """``use_grouped_tensor`` as the deprecated environment variable sets it (None: unset),
+    read as TE 2.20 reads it when the argument is None: a ``FutureWarning``, then
+    ``bool(int(value))``. te_paged reads it here only, at construction."""
+    value = os.environ.get(FUSED_GROUPED_GEMM_ENV)
+    if value is None:
+        return None
+    warnings.warn(
+        f"{FUSED_GROUPED_GEMM_ENV} is deprecated (Transformer Engine 2.20) and will go: pass "
+        "use_grouped_tensor=True or use_grouped_tensor=False to GroupedLinear instead",
+        FutureWarning,
+        stacklevel=3,
+    )
+    try:
+        return bool(int(value))
+    except ValueError:
+        raise ValueError(
+            f"{FUSED_GROUPED_GEMM_ENV}={value!r} is not an integer (1: the device-initiated "
+            "path, 0: the legacy host path); better, pass use_grouped_tensor"
+        ) from None
 
 
 def _as_mxfp8_storage(fp8: Fp8Tensor) -> Fp8Tensor:
@@ -219,12 +249,23 @@ class GroupedLinear(nn.Module):
                 "ub_overlap_rs/ub_overlap_ag: GroupedLinear has no userbuffer overlap (TE's "
                 "raises too); leave them False"
             )
+        switches = {
+            "sequence_parallel": sequence_parallel, "fuse_wgrad_accumulation":
+            fuse_wgrad_accumulation, "bias": bias, "return_bias": return_bias,
+            "delay_wgrad_compute": delay_wgrad_compute, "save_original_input":
+            save_original_input, "single_grouped_weight": single_grouped_weight,
+            "single_grouped_bias": single_grouped_bias,
+        }  # fmt: skip
+        for key, value in switches.items():  # a string such as "no" would read as True
+            require_bool(key, value)
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
         self.use_bias, self.return_bias = bias, return_bias
         if use_grouped_tensor is not None and not isinstance(use_grouped_tensor, bool):
             raise TypeError(
                 f"use_grouped_tensor must be a bool or None, got {use_grouped_tensor!r}"
             )
+        if use_grouped_tensor is None:  # TE 2.20: the deprecated variable still decides
+            use_grouped_tensor = _fused_grouped_gemm_env()
         self.use_grouped_tensor = True if use_grouped_tensor is None else use_grouped_tensor
         # Asked for by name: host m_splits are then refused, as in TE 2.19, not taken to the
         # legacy path (the implicit fallback that None keeps, TE's None being the legacy path).
@@ -262,11 +303,11 @@ class GroupedLinear(nn.Module):
             if bias and not self.single_grouped_bias:
                 self.register_parameter(f"bias{i}", nn.Parameter(torch.empty(out_features, **kw)))
         if self.single_grouped_weight:
-            weight = nn.Parameter(torch.empty(num_gemms, out_features, in_features, **kw))
+            weight = GroupedParameter(torch.empty(num_gemms, out_features, in_features, **kw))
             self.register_parameter("weight", weight)
         if self.single_grouped_bias:
             self.register_parameter(
-                "bias", nn.Parameter(torch.empty(num_gemms, out_features, **kw))
+                "bias", GroupedParameter(torch.empty(num_gemms, out_features, **kw))
             )
         # Device counter of forwards whose m_splits were negative or summed past the input's
         # rows (the device path cannot raise without a sync; the legacy path raises).
