@@ -168,4 +168,15 @@ def paged_scope(f: Callable[..., tuple[Any, PagedPool]]) -> Callable[..., tuple[
         return vjp((ct_out, pool))
 
     scoped.defvjp(fwd, bwd)
-    return scoped
+
+    @functools.wraps(f)
+    def scoped_or_plain(*args_and_pool):
+        if args_and_pool[-1] is not None:
+            return scoped(*args_and_pool)
+        # The OFF path, as paged_checkpoint's pool=None: plain JAX, and no flags to return.
+        out, pool = f(*args_and_pool)
+        if pool is not None:
+            raise TypeError(f"paged_scope: f was given pool=None and returned a {type(pool)}")
+        return out, None
+
+    return scoped_or_plain

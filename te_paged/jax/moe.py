@@ -290,6 +290,8 @@ class PagedStepRunner:
         grow_pool: bool = True,
         grow_headroom: float = 1.10,
     ):
+        if not isinstance(grow_pool, bool):  # a string such as "no" would read as True
+            raise TypeError(f"grow_pool must be True or False, got {grow_pool!r}")
         if not (math.isfinite(grow_headroom) and grow_headroom >= 1):
             raise ValueError(f"grow_headroom must be >= 1, got {grow_headroom!r}")
         self.cfg, self.grow_pool, self.grow_headroom = cfg, grow_pool, grow_headroom

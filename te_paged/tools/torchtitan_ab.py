@@ -238,6 +238,12 @@ def trainer_config(cfg: TorchtitanModelConfig, paged: bool, world: int, dump_fol
 
     tokenizer, loader = offline_data(cfg.vocab, cfg.seed)
     ac = {None: None, "selective": SelectiveAC.Config(), "full": FullAC.Config()}
+    # te_paged's budget knobs size its own dispatcher; a HybridEP model has its own budget and
+    # refuses them (te_paged.integrations.torchtitan.moe.convert_node).
+    budget = {} if cfg.hybridep_factor is not None else {
+        "moe_expert_rank_capacity_factor": cfg.capacity_factor,
+        "moe_a2a_capacity_factor": cfg.a2a_capacity_factor,
+    }  # fmt: skip
     return PagedStashTrainer.Config(
         model_spec=model_spec(cfg),
         tokenizer=tokenizer,
@@ -260,8 +266,7 @@ def trainer_config(cfg: TorchtitanModelConfig, paged: bool, world: int, dump_fol
         debug=DebugConfig(seed=cfg.seed),
         dump_folder=dump_folder,
         te_paged=TePagedConfig(
-            moe_expert_rank_capacity_factor=cfg.capacity_factor,
-            moe_a2a_capacity_factor=cfg.a2a_capacity_factor,
+            **budget,
             moe_paged_stash=paged,
             moe_paged_stash_page_size=cfg.page_size,
             moe_paged_stash_buffer_size_factor_cuda=cfg.buffer_factor_cuda,

@@ -60,6 +60,7 @@ Importing this module does not import Megatron.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import inspect
 import logging
@@ -107,14 +108,27 @@ def keeps_flex_dispatcher(config: object) -> bool:
         return False
     if backend == "ncclep":
         why = nccl_ep_unavailable()
-        if why is not None:
-            logger.info("te_paged: NCCL EP not kept (%s); te_paged's own dispatcher instead", why)
-        return why is None
-    if importlib.util.find_spec("deep_ep") is None:
-        return False  # without importing Megatron's fused_a2a at all
-    from megatron.core.transformer.moe import fused_a2a
+    elif importlib.util.find_spec("deep_ep") is None:  # without importing Megatron's fused_a2a
+        why = "deep_ep (HybridEP) does not import"
+    else:
+        from megatron.core.transformer.moe import fused_a2a
 
-    return bool(getattr(fused_a2a, "HAVE_HYBRIDEP", False))
+        ok = bool(getattr(fused_a2a, "HAVE_HYBRIDEP", False))
+        why = None if ok else "megatron-core's fused_a2a found no HybridEP (HAVE_HYBRIDEP False)"
+    if why is not None:
+        _lost_fast_path(backend, why)
+    return why is None
+
+
+@functools.cache
+def _lost_fast_path(backend: str, why: str) -> None:
+    """Said once per process and reason, when the layers are built: the config asked for a
+    flex backend te_paged would keep, and gets te_paged's own dispatcher instead."""
+    logger.warning(
+        "te_paged: moe_flex_dispatcher_backend=%r asked for, but %s: the MoE layers use "
+        "te_paged's own static-budget dispatcher instead (every rank pair padded to its wire "
+        "budget, where %s sends only the real rows)", backend, why, backend,
+    )  # fmt: skip
 
 
 def nccl_ep_unavailable() -> str | None:
@@ -226,6 +240,8 @@ class FlexBudget(ReceiveBudget):
         backend: str = "hybridep",
         device: Any = None,
     ) -> None:
+        if backend not in KEPT_BACKENDS:  # before: any other spelling was taken for HybridEP
+            raise ValueError(f"FlexBudget backend={backend!r} is not one of {KEPT_BACKENDS}")
         if backend == "ncclep":
             rule = nccl_ep_rank_budget(config.moe_router_topk, align)
         else:

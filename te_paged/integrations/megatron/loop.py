@@ -73,6 +73,7 @@ import contextlib
 import enum
 import functools
 import logging
+import math
 import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -85,6 +86,7 @@ from te_paged.config.checks import require_bool, require_int, require_real
 from te_paged.integrations.megatron.runner import MegatronPagedStashRunner
 from te_paged.kernels.layout import Flag
 from te_paged.runtime import StepRecord, StepState
+from te_paged.runtime.step_state import Restorable
 from te_paged.stash import StashMode
 
 if TYPE_CHECKING:
@@ -152,6 +154,17 @@ class MegatronLoopAdapter:
             require_real("max_capacity_factor", max_capacity_factor, 0.0, strict=True)
         if log_interval is not None:
             require_int("log_interval", log_interval, minimum=1)
+        if on_record is not None and not callable(on_record):  # checked here, not at a record
+            raise TypeError(f"on_record must be a callable taking a StepRecord, or None; got "
+                            f"{on_record!r}")  # fmt: skip
+        if restorables is None or isinstance(restorables, (str, bytes)):
+            raise TypeError(f"restorables must be an iterable of Restorable objects (default "
+                            f"()), got {restorables!r}")  # fmt: skip
+        restorables = list(restorables)
+        for obj in restorables:
+            if not isinstance(obj, Restorable):
+                raise TypeError(f"{obj!r} is not Restorable: it needs snapshot() and "
+                                "restore(state)")  # fmt: skip
         self._options = {
             "max_consecutive_fallbacks": max_consecutive_fallbacks,
             "grow_pool": grow_pool,
@@ -279,6 +292,13 @@ class MegatronLoopAdapter:
         """Megatron's runner writes ``_comm_manager.moe_expert_rank_capacity_factor``: ``None``
         before its rerun, the config's value after an attempt it keeps."""
         self.refuse_if_driven()
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value <= 0):  # fmt: skip
+            raise ValueError(
+                f"Megatron's PagedStashRunner wrote moe_expert_rank_capacity_factor={value!r} "
+                "into a te_paged dispatcher: it may write None (the dropless rerun) or a "
+                "positive finite factor (the attempt is kept); anything else leaves no budget"
+            )
         if value is None:
             self.prepare_rerun()
         elif self.phase is _Phase.CHECKED:

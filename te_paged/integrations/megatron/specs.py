@@ -37,24 +37,27 @@ def with_te_paged_moe(
     ``functools.partial`` s of the module class) in which every MoE MLP — Megatron's
     ``MoELayer`` — is te_paged's: :func:`get_te_paged_moe_spec` with ``config`` and ``kwargs``
     (``manager``, ``device``, te_paged overrides), keeping the original's other submodules
-    (shared experts, router). All of them share one stash manager and one
-    :class:`MegatronLoopAdapter` (``loop``, default: a new one). ``ValueError`` when ``spec``
-    has no MoE layer."""
+    (shared experts, router). All of them share one stash manager and, with a static budget
+    (``moe_expert_rank_capacity_factor``), one :class:`MegatronLoopAdapter` (``loop``,
+    default: a new one). ``ValueError`` when ``spec`` has no MoE layer, or when ``loop`` is
+    given for a config without a static budget."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    if loop is None:
-        loop = MegatronLoopAdapter()
     replaced: list[Any] = []
 
     def is_moe(module: object) -> bool:
         return isinstance(module, type) and issubclass(module, MoELayer)
 
     def te_paged(submodules: Any) -> Any:
-        if replaced:  # every MoE layer stashes into the first one's manager
+        adapter = loop
+        if replaced:  # every MoE layer stashes into the first one's manager, reports to its loop
             kwargs.setdefault("manager", replaced[0].submodules.experts.params["manager"])
+            adapter = adapter or replaced[0].params.get("loop")
         shared = getattr(submodules, "shared_experts", None)
-        moe = get_te_paged_moe_spec(config, shared_experts=shared, loop=loop, **kwargs)
+        # No loop is made here: the first layer's spec makes one where the config has a static
+        # budget (without one, Megatron's own MoELayer is built and a loop= would be refused).
+        moe = get_te_paged_moe_spec(config, shared_experts=shared, loop=adapter, **kwargs)
         for field in dataclasses.fields(moe.submodules):  # the router, say
             if field.name not in ("experts", "shared_experts") and hasattr(submodules, field.name):
                 setattr(moe.submodules, field.name, getattr(submodules, field.name))

@@ -44,6 +44,7 @@ from torchtitan.models.common.token_dispatcher import (
 from torchtitan.protocols.model import ModelConfigConverter
 
 from te_paged.config import MoEConfig
+from te_paged.config.checks import require_bool
 from te_paged.grouped.grouped_tensor import splits_are_invalid
 from te_paged.integrations.torchtitan.hybridep import PagedHybridEPTokenDispatcher
 from te_paged.kernels.layout import Flag
@@ -333,11 +334,19 @@ _DISPATCH_FIELDS = ("moe_expert_rank_capacity_factor", "moe_a2a_capacity_factor"
 
 
 def _check_options(options: dict[str, Any]) -> None:
+    if "moe_paged_stash" in options:  # a string such as "false" would read as True
+        require_bool("moe_paged_stash", options["moe_paged_stash"])
     cf = options.get("moe_expert_rank_capacity_factor")
     if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or cf <= 0
                            or not math.isfinite(cf)):  # fmt: skip
         raise ValueError(f"moe_expert_rank_capacity_factor must be a positive number, got {cf!r}")
     a2a = options.get("moe_a2a_capacity_factor")
+    if a2a is not None and cf is None and "moe_expert_rank_capacity_factor" in options:
+        raise ValueError(
+            f"moe_a2a_capacity_factor={a2a!r} sizes the wire of a static expert budget, but "
+            "moe_expert_rank_capacity_factor=None is dropless (no budget, no wire to size): "
+            "give the expert factor, or leave moe_a2a_capacity_factor None"
+        )
     if a2a is not None:  # MoEConfig's own checks: a positive number, at most the expert factor
         MoEConfig(moe_expert_rank_capacity_factor=cf, moe_a2a_capacity_factor=a2a)
     # te_paged's own checks of every stash knob (a manager is not built here).
@@ -375,6 +384,14 @@ def convert_node(node: Any, *, fqn: str = "routed_experts", **options: Any) -> A
             "one, or keeps HybridEP's (moe_comm_backend='hybridep', non-blocking) and reruns "
             "the steps it drops tokens in; it does not stack on DeepEP or MinimalAsyncEP "
             "(MinimalAsyncEP's worst-case buffer cannot overflow)"
+        )
+    given = sorted(k for k, v in dispatch_opts.items() if v is not None)
+    if hybridep and given:
+        raise ValueError(
+            f"{fqn}.token_dispatcher is HybridEP, whose budget is its own "
+            f"non_blocking_capacity_factor: {', '.join(given)} size te_paged's static-budget "
+            "dispatcher and would do nothing here; leave them out (or None), or use "
+            "moe_comm_backend='standard'"
         )
     if hybridep and dispatcher.non_blocking_capacity_factor is None:
         raise ValueError(
@@ -444,9 +461,19 @@ class PagedStashConverter(ModelConfigConverter):
         moe_paged_stash_kernel_backend: str = "auto"
         moe_paged_stash_skip_immediate_backward: bool = True
 
+        def __post_init__(self) -> None:  # checked where given, not at the conversion
+            _check_options(self.stash_options())
+
         def stash_options(self) -> dict[str, Any]:
-            names = (*_DISPATCH_FIELDS, *STASH_FIELDS)
-            return {name: getattr(self, name) for name in names}
+            """The options for :func:`convert_moe`: the stash knobs, and the dispatcher's
+            factors where they differ from their defaults (a HybridEP model, which has its own
+            budget, refuses them)."""
+            defaults = {f.name: f.default for f in dataclasses.fields(self)}
+            options = {name: getattr(self, name) for name in STASH_FIELDS}
+            for name in _DISPATCH_FIELDS:
+                if getattr(self, name) != defaults[name]:
+                    options[name] = getattr(self, name)
+            return options
 
     def __init__(self, config: Config) -> None:
         self.config = config

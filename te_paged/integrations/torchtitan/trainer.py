@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torchtitan.trainer import Trainer
 
+from te_paged.config.checks import require_bool
 from te_paged.integrations.torchtitan.moe import (
     PagedStashConverter,
     attach_paged_stash,
@@ -60,6 +61,11 @@ class TePagedConfig(PagedStashConverter.Config):
     capacity_headroom: float = 1.10
     max_capacity_factor: float | None = None
     auto_wire_steps: int = 8
+
+    def __post_init__(self) -> None:  # checked where given, not after the model is built
+        PagedStashConverter.Config.__post_init__(self)
+        for name in ("convert_moe", "grow_pool", "per_rank_pools", "grow_capacity"):
+            require_bool(name, getattr(self, name))  # "no" would read as True
 
 
 class TorchtitanPagedStashRunner(PagedStashRunner):

@@ -75,3 +75,37 @@ def test_nccl_ep_capacity_at_the_factor_then_the_rerun_demand_or_the_worst_case(
         flex.FlexTokenDispatcher(
             types.SimpleNamespace(_comm_manager=manager), cfg, None, align=0, backend="ncclep"
         )
+
+
+@pytest.mark.parametrize("backend", ["ncclep", "hybridep"])
+def test_a_lost_fast_path_is_said_once_when_the_layers_are_built(monkeypatch, caplog, backend):
+    # Before: HybridEP asked for where deep_ep does not import gave te_paged's own padded
+    # dispatcher silently (NCCL EP's reason was logged at INFO, every layer).
+    import importlib.util
+    import logging
+
+    monkeypatch.setattr(fused_a2a, "HAVE_TE_EP", False, raising=False)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "deep_ep" else real(name, *a))  # fmt: skip
+    flex._lost_fast_path.cache_clear()
+    with caplog.at_level(logging.INFO, logger="te_paged"):
+        for _ in range(3):  # three layers
+            assert not flex.keeps_flex_dispatcher(_config(backend))
+    said = [r for r in caplog.records if "asked for, but" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING
+    why = "transformer_engine.pytorch.ep" if backend == "ncclep" else "deep_ep (HybridEP)"
+    assert (
+        why in said[0].getMessage()
+        and "te_paged's own static-budget dispatcher" in said[0].getMessage()
+    )
+
+
+def test_a_misspelt_flex_backend_is_refused() -> None:
+    # Before: FlexBudget(backend="hybrid_ep") was taken for HybridEP.
+    from te_paged.config import MoEConfig
+
+    cfg = MoEConfig(hidden_size=8, moe_ffn_hidden_size=8, num_moe_experts=4, moe_router_topk=2,
+                    moe_expert_rank_capacity_factor=1.0)  # fmt: skip
+    with pytest.raises(ValueError, match="backend='hybrid_ep' is not one of"):
+        flex.FlexBudget(cfg, None, align=0, backend="hybrid_ep")

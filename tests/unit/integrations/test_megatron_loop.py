@@ -19,6 +19,10 @@ from te_paged.integrations.megatron.loop import _Phase
         ({"log_interval": 0}, "log_interval"),
         ({"max_pool_bytes": 0}, "max_pool_bytes"),
         ({"grow_pool": 1}, "grow_pool"),
+        # Before: accepted, and failing inside Megatron's runner at the first record or rerun.
+        ({"on_record": "log"}, "on_record must be a callable"),
+        ({"restorables": None}, "restorables must be an iterable"),
+        ({"restorables": [object()]}, "is not Restorable"),
     ],
 )
 def test_bad_options_are_refused_naming_them(kwargs, message) -> None:
@@ -83,3 +87,12 @@ def test_the_global_optimizer_hook_does_not_keep_the_adapter_alive() -> None:
     assert ref() is None
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
     optimizer.step()  # its hook is gone with it: nothing raises
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, float("nan"), float("inf"), "2.0", True])
+def test_an_odd_factor_written_by_megatrons_runner_is_refused(value) -> None:
+    # Before: any value but None was taken as "the attempt is kept", and the step went on.
+    adapter = MegatronLoopAdapter()
+    adapter.phase = _Phase.RERUN
+    with pytest.raises(ValueError, match="positive finite factor"):
+        adapter.set_capacity_factor(value)

@@ -75,3 +75,17 @@ def test_a_spec_without_moe_layers_is_refused() -> None:
 
     with pytest.raises(ValueError, match="no MoE layer"):
         tpm.with_te_paged_moe(get_gpt_layer_local_spec(), megatron_config(), **STASH)
+
+
+def test_a_config_without_a_static_budget_gets_megatrons_layer_and_no_loop_error() -> None:
+    # Before: with_te_paged_moe made a loop itself and passed it on, so a config without
+    # moe_expert_rank_capacity_factor failed with "loop= was given" when no loop was given.
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    cfg = megatron_config(num_moe_experts=8)
+    spec = get_gpt_layer_local_spec(num_experts=8, moe_grouped_gemm=False)
+    out = tpm.with_te_paged_moe(spec, cfg)
+    assert not _moe_specs(out)  # Megatron's own MoELayer around te_paged's experts
+    assert out.submodules.mlp.module.__name__ == "MoELayer"
+    with pytest.raises(ValueError, match="loop= was given"):  # and one given is still refused
+        tpm.with_te_paged_moe(spec, cfg, loop=tpm.MegatronLoopAdapter())

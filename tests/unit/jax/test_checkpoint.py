@@ -135,6 +135,12 @@ def test_pool_none_is_plain_jax_and_misuse_is_refused() -> None:
         jax.grad(lambda x: paged_checkpoint(_weighted_sum, x, 3, pool, v)[0].sum())(x)
     y, flags = scoped_call(pool)
     assert np.array_equal(y, _weighted_sum(x, v)) and not np.asarray(flags).any()
+    # The OFF path through paged_scope too (before: AttributeError on None.flags).
+    y, flags = scoped_call(None)
+    assert flags is None and np.array_equal(y, _weighted_sum(x, v))
+    grad = jax.grad(lambda x: paged_scope(lambda x, pool: paged_checkpoint(
+        _weighted_sum, x, 3, pool, v))(x, None)[0].sum())(x)  # fmt: skip
+    assert np.array_equal(grad, jax.grad(lambda x: _weighted_sum(x, v).sum())(x))
 
 
 def test_the_pool_bytes_survive_forward_and_the_backward_threading() -> None:

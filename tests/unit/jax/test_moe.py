@@ -166,3 +166,5 @@ def test_config_checks() -> None:
         RingMoEConfig(buffer_factor=0.0)
     with pytest.raises(ValueError, match="grow_headroom"):
         PagedStepRunner(CFG, grow_headroom=0.9)
+    with pytest.raises(TypeError, match="grow_pool must be True or False, got 'no'"):
+        PagedStepRunner(CFG, grow_pool="no")  # before: a true string, so the pool grew

@@ -165,6 +165,55 @@ def test_convert_moe_refuses_bad_options(options, error, match):
         convert_moe(_model_config(), **options)
 
 
+@pytest.mark.parametrize("value", ["false", 0, None])
+def test_the_stash_switch_must_be_a_bool_where_given(value):
+    # Before: convert_moe(moe_paged_stash="false") paged (a non-empty string is true).
+    from te_paged.integrations.torchtitan import PagedStashConverter
+
+    with pytest.raises(TypeError, match=f"moe_paged_stash must be True or False, got {value!r}"):
+        convert_moe(_model_config(), moe_paged_stash=value)
+    with pytest.raises(TypeError, match="moe_paged_stash must be True or False"):
+        PagedStashConverter.Config(moe_paged_stash=value)  # at the config, not at conversion
+
+
+@pytest.mark.parametrize("name", ["convert_moe", "grow_pool", "per_rank_pools", "grow_capacity"])
+def test_the_trainer_section_refuses_a_non_bool_switch_where_given(name):
+    # Before: TePagedConfig(convert_moe="no") converted, and the runner's switches were checked
+    # only after the model was built.
+    from te_paged.integrations.torchtitan.trainer import TePagedConfig
+
+    with pytest.raises(TypeError, match=f"{name} must be True or False, got 'no'"):
+        TePagedConfig(**{name: "no"})
+    assert TePagedConfig().stash_options()["moe_paged_stash"] is True
+
+
+def test_a_wire_factor_without_an_expert_budget_is_refused():
+    # Before: accepted, and the wire factor did nothing (None is dropless: no wire to size).
+    with pytest.raises(ValueError, match="moe_expert_rank_capacity_factor=None is dropless"):
+        convert_moe(_model_config(), moe_expert_rank_capacity_factor=None,
+                    moe_a2a_capacity_factor=1.0)  # fmt: skip
+    convert_moe(_model_config(), moe_expert_rank_capacity_factor=None)  # dropless alone: fine
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"moe_expert_rank_capacity_factor": 1.5}, {"moe_a2a_capacity_factor": 1.0},
+     {"moe_expert_rank_capacity_factor": 2.0, "moe_a2a_capacity_factor": 1.0}],
+)  # fmt: skip
+def test_a_hybridep_model_refuses_the_budget_knobs_it_would_ignore(options):
+    # Before: accepted and ignored: HybridEP's budget is its non_blocking_capacity_factor.
+    from te_paged.integrations.torchtitan import PagedStashConverter
+
+    with pytest.raises(ValueError, match="HybridEP, whose budget is its own"):
+        convert_moe(_model_config(hybridep_factor=0.5), **options)
+    with pytest.raises(ValueError, match="HybridEP, whose budget is its own"):
+        PagedStashConverter(PagedStashConverter.Config(**options)).convert(
+            _model_config(hybridep_factor=0.5)
+        )
+    # The converter's defaults are not "given": a HybridEP model converts with them.
+    PagedStashConverter(PagedStashConverter.Config()).convert(_model_config(hybridep_factor=0.5))
+
+
 def test_convert_moe_refuses_what_it_would_replace_silently():
     cfg = _model_config()
     deepep = DeepEPTokenDispatcher.Config(num_experts=4, top_k=2)
