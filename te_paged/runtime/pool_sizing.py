@@ -7,10 +7,20 @@ from __future__ import annotations
 import logging
 import math
 
+import torch
+import torch.distributed as dist
+
 from te_paged.runtime.records import PoolLimitError, StepRecord
 from te_paged.runtime.reduction import _RankStats
 from te_paged.runtime.reporting import _MARGIN
 from te_paged.stash import StashKey
+
+_MIB = 2**20
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / _MIB:.2f} MiB" if nbytes >= _MIB else f"{nbytes} bytes"
+
 
 _GROWTH_WHY = {
     "capture": "the capture step held more than the pools' factor gives",
@@ -23,10 +33,57 @@ class PoolSizing:
     """Part of :class:`~te_paged.runtime.PagedStashRunner` (mixed into it; uses its
     attributes): see the module docstring."""
 
-    def _grow_after_capture(self, record: StepRecord) -> None:
-        """The capture step's observed peak is a need too: no pool starts below it."""
-        needs = {k: m.capture_peaks(k)[1] for m in self.managers for k in m.keys}
-        self._grow(record, needs, "capture")
+    def _after_capture(self, record: StepRecord) -> None:
+        """The capture step's observed peak is a need too: no pool starts below it
+        (``grow_pool``); and the pools the next step allocates must fit ``max_pool_bytes``."""
+        if self.grow_pool:
+            needs = {k: m.capture_peaks(k)[1] for m in self.managers for k in m.keys}
+            self._grow(record, needs, "capture")
+        else:
+            self._check_planned_pools(record)
+
+    def _check_planned_pools(self, record: StepRecord) -> None:
+        """``max_pool_bytes`` holds for the pools the next ``reset()`` allocates (the factors'
+        sizes, or larger where they grew): else :class:`PoolLimitError` on every rank, before
+        any allocation. One collective (each rank's planned bytes), taken at the capture step
+        and after a growth only."""
+        if self.max_pool_bytes is None:
+            return
+        planned = needed = 0
+        pools = []
+        for m in self.managers:
+            for key in m.keys:
+                pages, page = m.pool_pages_for(key)[0], m.page_size * key.row_bytes
+                planned += pages * page
+                needed += m.capture_peaks(key)[1] * page
+                pools.append(f"{key} {pages} pages")
+        every = self._gather_ints(planned)
+        over = [rank for rank, b in enumerate(every) if b > self.max_pool_bytes]
+        if not over:
+            return
+        factor = self.managers[0].buffer_size_factor_cuda if self.managers else None
+        fix = (f"the capture step needed {_size(needed)} at its peak here, itself more "
+               "than the bound: raise max_pool_bytes, add a host tier "
+               "(moe_paged_stash_buffer_size_factor_cpu) or balance the routing"
+               if needed > self.max_pool_bytes else
+               f"the capture step needed {_size(needed)} at its peak here: lower "
+               f"moe_paged_stash_buffer_size_factor_cuda (now {factor}) or raise "
+               "max_pool_bytes")  # fmt: skip
+        raise PoolLimitError(
+            f"step {record.step}: the paged-stash pools the next step would allocate hold "
+            f"{_size(max(every))} on rank(s) {over} ({', '.join(pools)} here), more than "
+            f"max_pool_bytes={self.max_pool_bytes} ({_size(self.max_pool_bytes)}) allows; {fix}"
+        )
+
+    def _gather_ints(self, value: int) -> list[int]:
+        """``value`` of every rank of the runner's group (one ``all_reduce`` of a slot each)."""
+        rank, world = self._world()
+        if world == 1:
+            return [value]
+        vec = torch.zeros(world, dtype=torch.int64, device=self._device())
+        vec[rank] = value
+        dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=self.group)
+        return vec.tolist()
 
     def _fitting_pool_factor(
         self, record: StepRecord, per_rank: list[_RankStats] | None = None
@@ -85,6 +142,7 @@ class PoolSizing:
                 record.pool_growth[str(key)] = {
                     "from": old, "to": new, "needed": needs[key], "why": why,
                 }  # fmt: skip
+        self._check_planned_pools(record)
         if record.pool_growth:
             pools = "; ".join(
                 f"{k} {g['from']} -> {g['to']} pages (needed {g['needed']})"

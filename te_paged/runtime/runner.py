@@ -141,8 +141,10 @@ class PagedStashRunner(StepReduction, PoolSizing, BudgetSizing, Reporting):
     keeps the pools as the factors size them. The ranks of each expert-parallel group agree on
     pool sizes at allocation (the manager's ``pool_group``: one collective per allocation);
     ``per_rank_pools`` lets each rank size its own. ``max_pool_bytes`` bounds one rank's device
-    pools in all: an overflow whose step needed more raises :class:`PoolLimitError` on every
-    rank (before any rerun), and growth's headroom is dropped where it would pass the bound.
+    pools in all: pools the factors (or a growth) would size past it raise
+    :class:`PoolLimitError` on every rank before they are allocated (after the capture step,
+    naming the factor to lower), an overflow whose step needed more raises it before any
+    rerun, and growth's headroom is dropped where it would pass the bound.
 
     Wire sizing: with ``grow_capacity`` (the default) the dispatchers' ``a2a_capacity_factor``
     keeps the largest pair demand seen x ``capacity_headroom`` (module docstring, item 6), up to
@@ -361,8 +363,8 @@ class PagedStashRunner(StepReduction, PoolSizing, BudgetSizing, Reporting):
         with nvtx_range("te_paged.reduce"):
             flag_ranks, per_rank = self._reduce()
         record = self._record(flag_ranks, per_rank, forward_only)
-        if capturing and self.grow_pool and not forward_only:
-            self._grow_after_capture(record)
+        if capturing and not forward_only:
+            self._after_capture(record)
         if capturing and not forward_only and not record.overbudget_ranks:
             self._size_capacity(record, "capture")  # over budget: _before_fallback's
         if record.will_retry:

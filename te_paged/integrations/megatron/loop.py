@@ -321,8 +321,8 @@ class MegatronLoopAdapter:
             flag_ranks, per_rank = engine._reduce()  # the rerun path's own reduction
         record = engine._record(flag_ranks, per_rank, self._forward_only)
         capturing = any(m.mode is StashMode.CAPTURE for m in engine.managers)
-        if capturing and engine.grow_pool and not self._forward_only:
-            engine._grow_after_capture(record)
+        if capturing and not self._forward_only:
+            engine._after_capture(record)
         engine._before_fallback(record, flag_ranks, per_rank, self._forward_only)
         engine._forward_only = self._forward_only  # an evaluation zeroes no gradients
         engine._prepare_rerun(self._state, record, per_rank)
@@ -363,8 +363,8 @@ class MegatronLoopAdapter:
             )
             if not self._forward_only:
                 engine.consecutive_fallbacks = 0
-                if capturing and engine.grow_pool:
-                    engine._grow_after_capture(record)
+                if capturing:
+                    engine._after_capture(record)
         if self._record is not None:  # after Megatron's rerun: what it measured
             engine.size_receive_after_rerun(record)
         wire = engine._wire()

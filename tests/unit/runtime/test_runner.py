@@ -518,3 +518,30 @@ def test_pool_keys_travel_as_codes_in_a_fixed_size_slot() -> None:
         )
     with pytest.raises(ValueError, match=f"holds {_MAX_KEYS + 1} paged-stash pools"):
         runner._local_stats(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("grow_pool", [True, False])
+def test_max_pool_bytes_holds_for_the_pools_the_factor_sizes(grow_pool) -> None:
+    # Before: the bound was checked only against an overflowing step's need, so the pools the
+    # factor sized after the capture step (here 2.0 x the balanced peak) passed it silently.
+    model, manager = make({"moe_paged_stash_buffer_size_factor_cuda": 2.0})
+    probe = PagedStashRunner(model, manager)
+    probe.step(step_fn(model, 0))  # the capture step, to learn the sizes
+    page = {k: manager.page_size * k.row_bytes for k in manager.keys}
+    planned = sum(manager.pool_pages_for(k)[0] * page[k] for k in manager.keys)
+    needed = sum(manager.capture_peaks(k)[1] * page[k] for k in manager.keys)
+    assert needed < planned
+    model, manager = make({"moe_paged_stash_buffer_size_factor_cuda": 2.0})
+    runner = PagedStashRunner(model, manager, max_pool_bytes=planned - 1, grow_pool=grow_pool)
+    with pytest.raises(PoolLimitError, match="lower moe_paged_stash_buffer_size_factor_cuda"):
+        runner.step(step_fn(model, 0))
+    assert not manager.buffers  # raised before any allocation
+    model, manager = make({"moe_paged_stash_buffer_size_factor_cuda": 2.0})
+    runner = PagedStashRunner(model, manager, max_pool_bytes=needed - 1, grow_pool=grow_pool)
+    with pytest.raises(PoolLimitError, match="itself more than the bound"):
+        runner.step(step_fn(model, 0))
+    model, manager = make({"moe_paged_stash_buffer_size_factor_cuda": 2.0})
+    runner = PagedStashRunner(model, manager, max_pool_bytes=planned, grow_pool=grow_pool)
+    runner.step(step_fn(model, 0))
+    runner.step(step_fn(model, 1))
+    assert manager.stats().pool_bytes <= planned
