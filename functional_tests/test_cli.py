@@ -254,6 +254,13 @@ def test_plan_prints_the_in_flight_peak_and_pool_of_each_pipeline_stage(capsys) 
     kept_rows = [line.split() for line in kept.stdout.split("per stage:\n")[1].splitlines()[1:3]]
     assert kept_rows[0][3] == "58" and kept_rows[1][3:5] == ["28", "15,770"]
     assert lines[4].startswith("  in flight: microbatches forwarded and not yet backwarded")
+    # The ring of experts (the JAX port) pages every layer: its stage table says so too, as
+    # its summary does. Before: the table kept the last stage's last layer (28 of 29 pooled).
+    ring = plan(capsys, "--model", "deepseek-v3", "--ring-of-experts", "--pipeline-parallel",
+                "2")  # fmt: skip
+    assert ring.returncode == 0 and "pool (1.1 x S)" in ring.stdout, ring.stderr
+    ring_rows = [line.split() for line in ring.stdout.split("per stage:\n")[1].splitlines()[1:3]]
+    assert [r[2] for r in ring_rows] == [r[3] for r in ring_rows] == ["58", "29"]
     # interleaved, by Megatron's names: P 4, V 2, M 8, 56 layers in chunks of 7; stage 0 warms
     # up with 2 x 3 + 1 x 4 = 10 passes and peaks at 11 microbatch-chunks, 77 layers
     megatron_names = ["--pipeline-model-parallel-size", "4", "--num-microbatches", "8",
@@ -387,6 +394,14 @@ BAD_ARGUMENTS = [
     (["bench", "--only", "host", "--kernel-backend", "torch"], "--kernel-backend: only for the "
      "stash and step benchmarks"),
     (["bench", "--only", "fast"], "argument --only: invalid choice: 'fast'"),
+    # Before: 1e308 passed as finite, and a size computed from it raised OverflowError.
+    (["plan", "--profile", "p.json", "--capacity-headroom", "1e308"], "argument "
+     "--capacity-headroom: must be a finite number >= 1 and <= 1000, got 1e308"),
+    (["ab", "--capacity-factor", "1e308"], "capacity-factor: must be a finite number > 0 and "
+     "<= 1000, got 1e308"),
+    (["ab", "--buffer-factor-cpu", "inf"], "buffer-size-factor-cpu: must be a finite number"),
+    (["ab", "--timeout", "1e308"], "argument --timeout: must be a finite number >= 1 and <="),
+    (["ab", "--skew", "1e300"], "argument --skew: must be a finite number >= -10000 and <="),
 ]  # fmt: skip
 
 

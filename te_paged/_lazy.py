@@ -5,6 +5,7 @@ JAX user may not have PyTorch installed at all (docs/jax.md)."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -39,3 +40,16 @@ def lazy_exports(
         return sorted({*namespace, *exports})
 
     return __getattr__, __dir__, sorted(exports)
+
+
+def require_torch(package: str) -> None:
+    """At the import of ``package`` (a part of te_paged's PyTorch API): where torch is not
+    installed, an ImportError that says which extra to install, instead of a bare
+    ``No module named 'torch'`` from deep inside it."""
+    if importlib.util.find_spec("torch") is None:
+        raise ModuleNotFoundError(
+            f"{package} is part of te_paged's PyTorch API, which needs torch: install it "
+            "(`pip install te_paged[torch]`; pin the torch build you want first). "
+            "te_paged.jax needs no torch.",
+            name="torch",
+        )

@@ -38,7 +38,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from te_paged.tools.argtypes import MEGATRON_ALIASES, OneLineParser, integer, knob, real
+from te_paged.tools.argtypes import MEGATRON_ALIASES, OneLineParser, factor, integer, knob, real
 
 __all__ = ["MEGATRON_ALIASES", "main"]
 
@@ -51,14 +51,15 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
     """The model and run flags of ``ab`` (``engines``: with the Megatron engine's) and of
     ``bench``'s step benchmark. Every default is None: the engine's config fills it in, so a
     flag that was given can be told apart from one that was not (see the ``check_*_args``)."""
-    from te_paged.grouped.activations import ACTIVATIONS
-    from te_paged.tools.model import ModelConfig
+    from te_paged.tools.engine_configs import (
+        MegatronModelConfig,
+        ModelConfig,
+        TorchtitanModelConfig,
+    )
 
     d = ModelConfig()
     if engines:
         from te_paged.tools.jax_ab import JaxModelConfig  # imports no JAX
-        from te_paged.tools.megatron_ab import MegatronModelConfig
-        from te_paged.tools.torchtitan_ab import TorchtitanModelConfig  # imports no torchtitan
 
         m, j, t = MegatronModelConfig(), JaxModelConfig(), TorchtitanModelConfig()
         jax_flags = {f.name for f in dataclasses.fields(j) if f.init}
@@ -101,7 +102,7 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
     knob(
         g,
         "--capacity-factor",
-        type=real(0, strict_min=True),
+        type=factor(),
         metavar="F",
         help=f"moe_expert_rank_capacity_factor: static expert buffer rows over the balanced "
         f"case ({dflt('capacity_factor')})",
@@ -109,7 +110,7 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
     if engines:
         g.add_argument(
             "--a2a-capacity-factor",
-            type=real(0, strict_min=True),
+            type=factor(),
             metavar="F",
             help="moe_a2a_capacity_factor: the rows te_paged's all-to-all sends each rank over "
             "the balanced case, at most --capacity-factor; the runner raises it as routing "
@@ -119,7 +120,7 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
     knob(
         g,
         "--buffer-factor-cuda",
-        type=real(0, strict_min=True),
+        type=factor(),
         metavar="F",
         help="moe_paged_stash_buffer_size_factor_cuda: the CUDA pool over the balanced case "
         f"({dflt('buffer_factor_cuda')})",
@@ -127,7 +128,7 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
     knob(
         g,
         "--buffer-factor-cpu",
-        type=real(0),
+        type=factor(0, strict_min=False),
         metavar="F",
         help="moe_paged_stash_buffer_size_factor_cpu: the host tier, 0 for none "
         f"({dflt('buffer_factor_cpu')})",
@@ -158,7 +159,7 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
         action="store_true",
         help="the fused FC1-activation-FC2 path (default: unfused)",
     )
-    gated = [name for name, spec in ACTIVATIONS.items() if spec.gated]  # the model is a GLU
+    gated = gated_activations()  # the model is a GLU
     g.add_argument(
         "--activation",
         choices=gated,
@@ -174,7 +175,7 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
     g.add_argument("--steps", type=integer(1), help=f"training steps ({dflt('steps')})")
     g.add_argument(
         "--skew",
-        type=real(),
+        type=real(-1e4, 1e4),
         help="logit added to expert 0 on rank 0 (the megatron engine: to its routing bias; "
         "jax: to its router logit, expert 0 being local), "
         f"to force over-budget reruns ({d.skew:g}: none)",
@@ -281,13 +282,42 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
     )
 
 
-def _kernel_backend(p, extra: str = "") -> None:
+#: The built-in choices where torch (and so the registries) cannot be imported: the parser
+#: still builds, for the commands that need no torch (tests hold them to the registries).
+BUILTIN_GATED_ACTIVATIONS = ("swiglu", "geglu", "quick_geglu", "reglu", "squared_reglu")
+BUILTIN_BACKENDS = ("auto", "torch", "triton")
+
+
+def _torch_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None
+
+
+def gated_activations() -> list[str]:
+    """The registered gated activations (the built-in ones without torch)."""
+    if not _torch_installed():
+        return list(BUILTIN_GATED_ACTIVATIONS)
+    from te_paged.grouped.activations import ACTIVATIONS
+
+    return [name for name, spec in ACTIVATIONS.items() if spec.gated]
+
+
+def kernel_backends() -> tuple[str, ...]:
+    """Every valid ``--kernel-backend`` (the built-in ones without torch)."""
+    if not _torch_installed():
+        return BUILTIN_BACKENDS
     from te_paged.kernels import backend_choices
-    from te_paged.tools.model import ModelConfig
+
+    return backend_choices()
+
+
+def _kernel_backend(p, extra: str = "") -> None:
+    from te_paged.tools.engine_configs import ModelConfig
 
     p.add_argument(
         "--kernel-backend",
-        choices=backend_choices(),
+        choices=kernel_backends(),
         help=f"stash kernels, a registered backend ({ModelConfig().kernel_backend}: Triton on "
         f"CUDA, the torch reference on CPU){extra}",
     )
@@ -322,7 +352,7 @@ def _ab_parser(sub, common: argparse.ArgumentParser) -> None:
     _device(run, "cuda, with NCCL, when there is a GPU for every rank, else cpu, with gloo")
     run.add_argument(
         "--timeout",
-        type=real(1),
+        type=real(1, 1e6),
         default=300.0,
         help="seconds a rank may wait for the others (process-group timeout and watchdog; "
         "%(default)s): a stalled or dead rank then ends the run, named, exit status 3",
@@ -338,7 +368,7 @@ def _ab_parser(sub, common: argparse.ArgumentParser) -> None:
 
 
 def _bench_parser(sub, common: argparse.ArgumentParser) -> None:
-    from te_paged.tools.bench import STASH_HIDDEN_SIZES, STASH_TOKEN_COUNTS
+    from te_paged.tools.engine_configs import STASH_HIDDEN_SIZES, STASH_TOKEN_COUNTS
 
     bench = sub.add_parser(
         "bench",
@@ -432,6 +462,13 @@ def main(argv: list[str] | None = None) -> int:
         "bench": (bench_command.check_bench_args, bench_command.run_bench_command),
     }[args.command]
     prog = f"te-paged {args.command}"
+    torch_only = args.command == "bench" or (args.command == "ab" and args.engine != "jax")
+    if torch_only and not _torch_installed():
+        what = prog if args.command == "bench" else f"{prog} --engine {args.engine}"
+        print(f"{prog}: error: {what} needs PyTorch, which is not installed here: pip install "
+              "'te_paged[torch]' (te-paged plan and te-paged ab --engine jax run without it)",
+              file=sys.stderr)  # fmt: skip
+        return 2
     problem = check(args)
     if problem is not None:
         print(f"{prog}: error: {problem}", file=sys.stderr)

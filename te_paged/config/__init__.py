@@ -2,7 +2,13 @@
 against. `Fp8Recipe` (of `te_paged.grouped`) and `KernelBackend` (of `te_paged.kernels`) are
 re-exported here, where the fields that take them are."""
 
+# ruff: noqa: E402 — the torch check comes before the imports that need torch
+
 from __future__ import annotations
+
+from te_paged._lazy import require_torch
+
+require_torch(__name__)
 
 from te_paged.config.moe_config import (
     Activation,

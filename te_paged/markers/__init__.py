@@ -1,6 +1,12 @@
 """Which saved tensors the paged stash may own (producer markers) and which it must leave to
 selective recompute (storage-level markers)."""
 
+# ruff: noqa: E402 — the torch check comes before the imports that need torch
+
+from te_paged._lazy import require_torch
+
+require_torch(__name__)
+
 from te_paged.markers.producer import (
     GROUPED_TENSOR_ATTR,
     MXFP8_SCALE_BLOCK,

@@ -1,5 +1,11 @@
 """MoE modules: ``TEGroupedMLP``, selective recompute, router, dispatcher and ``MoELayer``."""
 
+# ruff: noqa: E402 — the torch check comes before the imports that need torch
+
+from te_paged._lazy import require_torch
+
+require_torch(__name__)
+
 from te_paged.moe.config_adapter import as_moe_config
 from te_paged.moe.dispatcher import DispatchHandle, StaticBudgetDispatcher, static_budget
 from te_paged.moe.experts import TEGroupedMLP

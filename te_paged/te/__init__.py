@@ -6,7 +6,13 @@ installed but not yet imported TE is imported then. Without TE every helper repo
 and te_paged uses its built-in implementation.
 """
 
+# ruff: noqa: E402 — the torch check comes before the imports that need torch
+
 from __future__ import annotations
+
+from te_paged._lazy import require_torch
+
+require_torch(__name__)
 
 import functools
 import importlib

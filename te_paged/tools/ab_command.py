@@ -36,16 +36,20 @@ MIN_STEPS = 2
 
 def model_config(args: argparse.Namespace):
     """The engine's model config from the parsed flags (``None`` flags take its defaults)."""
-    from te_paged.tools.model import ModelConfig
+    from te_paged.tools.engine_configs import (
+        MegatronModelConfig,
+        ModelConfig,
+        TorchtitanModelConfig,
+    )
 
     engine = getattr(args, "engine", "default")
     megatron = engine == "megatron"
     if megatron:
-        from te_paged.tools.megatron_ab import MegatronModelConfig as cls
+        cls = MegatronModelConfig
     elif engine == "jax":
         from te_paged.tools.jax_ab import JaxModelConfig as cls
     elif engine == "torchtitan":
-        from te_paged.tools.torchtitan_ab import TorchtitanModelConfig as cls
+        cls = TorchtitanModelConfig
     else:
         cls = ModelConfig
     fields = {f.name for f in dataclasses.fields(cls) if f.init}
@@ -432,7 +436,7 @@ def preload_modules(args: argparse.Namespace) -> tuple[str, ...]:
 
 def run_ab_command(args: argparse.Namespace) -> int:
     """The checked ``ab`` command: run, print the table, write the outputs; the exit status."""
-    from te_paged.tools.ab import format_table
+    from te_paged.tools.ab_result import format_table
 
     world, under_torchrun = _world(args)
     if args.engine == "jax":

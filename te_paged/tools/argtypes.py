@@ -90,6 +90,16 @@ def real(minimum: float = -math.inf, maximum: float = math.inf, *, strict_min: b
     return parse
 
 
+#: The largest factor a flag takes (capacity, buffer, headroom): a thousand balanced cases is
+#: no budget, and past this a size computed from it can overflow (``1e308`` did).
+FACTOR_MAX = 1000.0
+
+
+def factor(minimum: float = 0.0, *, strict_min: bool = True):
+    """An argparse type for a factor: :func:`real` up to :data:`FACTOR_MAX`."""
+    return real(minimum, FACTOR_MAX, strict_min=strict_min)
+
+
 def check_output(flag: str, path: Path | None, force: bool, *, directory: bool = False) -> None:
     """Refuse, before the run, an output the run could not write or would overwrite silently.
 

@@ -48,6 +48,7 @@ from te_paged.kernels import (
 )
 from te_paged.kernels.native import page_mover_status
 from te_paged.stash import storage_dtype
+from te_paged.tools.engine_configs import STASH_HIDDEN_SIZES, STASH_TOKEN_COUNTS
 from te_paged.tools.free_lists import FreeList, PreparedFreeList, prepare_free_list
 
 __all__ = [
@@ -62,9 +63,6 @@ __all__ = [
     "timing_method",
 ]
 
-#: The stash benchmark's default grid (DeepSeek-V3's hidden size is 7168).
-STASH_HIDDEN_SIZES = (1024, 2048, 4096, 7168)
-STASH_TOKEN_COUNTS = (2048, 16384, 65536)
 
 _PAGE_SIZE = 64
 _DTYPE = torch.bfloat16

@@ -15,7 +15,7 @@ import dataclasses
 import functools
 from collections.abc import Callable
 
-from te_paged.tools.ab import ABResult, StepResult, rank_result
+from te_paged.tools.ab_result import ABResult, StepResult, rank_result
 
 __all__ = ["MEMORY_METHOD", "JaxModelConfig", "run_jax_ab"]
 
@@ -84,7 +84,7 @@ def run_jax_ab(cfg: JaxModelConfig, progress: Callable[[str], None] | None = Non
     """OFF then ON for ``cfg.steps`` steps from the same weights and data; compare bitwise;
     measure both step functions."""
     from te_paged.jax.moe import PagedStepRunner, init_params, make_batch
-    from te_paged.runtime.runner import StepRecord
+    from te_paged.runtime.records import StepRecord
 
     ring = cfg.ring()
     runner = PagedStepRunner(ring, grow_pool=cfg.grow_pool)

@@ -49,7 +49,7 @@ from te_paged.tools.ab import (
     rank_result,
     step_result,
 )
-from te_paged.tools.model import ModelConfig
+from te_paged.tools.engine_configs import MegatronModelConfig
 
 __all__ = [
     "MegatronModelConfig",
@@ -83,57 +83,6 @@ def quiet_megatron() -> None:
     logging.getLogger("megatron.core.transformer.transformer_layer").setLevel(logging.ERROR)
     # 0.19.2 logs that GPTModel is deprecated (for HybridModel) once per model built.
     logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)
-
-
-@dataclasses.dataclass
-class MegatronModelConfig(ModelConfig):
-    """The ``ab --engine megatron`` model and run (defaults: about a minute, 4 CPU ranks)."""
-
-    layers: int = 4  # the command line's default: 4 per pipeline stage (ab_command.py)
-    experts: int = 8
-    hidden: int = 128
-    ffn: int = 256
-    heads: int = 4
-    vocab: int = 512
-    seq_length: int = 128
-    micro_batch_size: int = 2
-    microbatches: int = 2
-    ep: int | None = None  # expert-parallel size; None: the ranks of one pipeline stage
-    pipeline_parallel: int = 1  # pipeline stages (Megatron's 1F1B schedule when > 1)
-    virtual_stages: int | None = None  # virtual stages per rank: the interleaved schedule
-    dropout: float = 0.1
-    overlap_grad_reduce: bool = False
-    layer_recompute: str | None = None  # "full" (every layer) or "moe" (the MoE layer)
-    max_consecutive_fallbacks: int = 3  # the runner's runaway guard
-    per_rank_pools: bool = False  # the runner's per_rank_pools (tests: one rank's own pool)
-    measure_memory: bool = True  # the peak of every step (torch's trackers; slow on CPU)
-    steps: int = 3
-    #: Which runner drives the step: "te_paged" (MegatronPagedStashRunner, the user-written
-    #: step) or "megatron" (Megatron's own PagedStashRunner, as Megatron-LM's pretrain() builds
-    #: it; megatron-core 0.19.2), which te_paged's layers serve through MegatronLoopAdapter.
-    runner: str = "te_paged"
-    #: "gpt" (Megatron-core's GPTModel) or "hybrid" (0.19.2's HybridModel, attention and MoE
-    #: layers alternating: :func:`hybrid_layer_pattern`).
-    model: str = "gpt"
-    #: megatron-core 0.19.2's flex backend beside the rank capacity factor: "ncclep" or
-    #: "hybridep". Megatron's dispatcher is kept where its library imports (and NCCL EP can
-    #: drop), e.g. the tests' stand-ins; te_paged's own dispatcher replaces it otherwise.
-    flex_backend: str = "ncclep"
-
-    def __post_init__(self) -> None:
-        self.tokens = self.seq_length * self.micro_batch_size  # per rank and microbatch
-        if self.runner not in RUNNERS:
-            raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
-        if self.model not in MODELS:
-            raise ValueError(f"model must be one of {MODELS}, got {self.model!r}")
-        if self.flex_backend not in ("ncclep", "hybridep"):
-            raise ValueError(f"flex_backend must be ncclep or hybridep, got {self.flex_backend!r}")
-
-
-#: The runners a Megatron step can be driven by (:attr:`MegatronModelConfig.runner`).
-RUNNERS = ("te_paged", "megatron")
-#: The models of the Megatron engine (:attr:`MegatronModelConfig.model`).
-MODELS = ("gpt", "hybrid")
 
 
 @dataclasses.dataclass

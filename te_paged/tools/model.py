@@ -10,67 +10,15 @@ OFF see the same batches.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from te_paged.config import MoEConfig
 from te_paged.moe import MoELayer
 from te_paged.stash import PagedStashManager
+from te_paged.tools.engine_configs import ModelConfig
 
 __all__ = ["ModelConfig", "ToyMoEModel", "make_batch"]
-
-
-@dataclasses.dataclass
-class ModelConfig:
-    """The ``ab`` model and run. Defaults finish in about a minute on 2 CPU cores, 4 ranks."""
-
-    layers: int = 8
-    experts: int = 8
-    topk: int = 2
-    hidden: int = 256
-    ffn: int = 512
-    tokens: int = 512  # per rank and step
-    capacity_factor: float = 2.0
-    a2a_capacity_factor: float | None = None  # None: auto (starts at capacity_factor)
-    buffer_factor_cuda: float = 1.10
-    buffer_factor_cpu: float = 0.0
-    page_size: int = 64
-    fp8: str | None = None
-    recompute: bool = False
-    op_fuser: bool = False
-    activation: str = "swiglu"
-    steps: int = 3
-    seed: int = 0
-    skew: float = 0.0  # logits added to expert 0 on rank 0 (0 = none): forces over-budget
-    grow_pool: bool = True  # the runner's grow_pool (False: the pools as the factors size them)
-    grow_capacity: bool = True  # the runner's grow_capacity (False: the wire stays put)
-    kernel_backend: str = "auto"
-    skip_immediate_backward: bool = True  # moe_paged_stash_skip_immediate_backward
-
-    def moe_config(self, ep_size: int, paged: bool) -> MoEConfig:
-        return MoEConfig(
-            hidden_size=self.hidden,
-            moe_ffn_hidden_size=self.ffn,
-            num_moe_experts=self.experts,
-            moe_router_topk=self.topk,
-            activation=self.activation,
-            moe_expert_rank_capacity_factor=self.capacity_factor,
-            moe_a2a_capacity_factor=self.a2a_capacity_factor,
-            moe_paged_stash=paged,
-            moe_paged_stash_page_size=self.page_size,
-            moe_paged_stash_buffer_size_factor_cuda=self.buffer_factor_cuda,
-            moe_paged_stash_buffer_size_factor_cpu=self.buffer_factor_cpu,
-            fp8=self.fp8,
-            recompute_granularity="selective" if self.recompute else None,
-            recompute_modules=["moe_act"] if self.recompute else [],
-            use_transformer_engine_op_fuser=self.op_fuser,
-            expert_model_parallel_size=ep_size,
-            moe_paged_stash_kernel_backend=self.kernel_backend,
-            moe_paged_stash_skip_immediate_backward=self.skip_immediate_backward,
-        )
 
 
 class ToyMoEModel(nn.Module):

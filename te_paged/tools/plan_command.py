@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from te_paged.tools.argtypes import integer, knob, real
+from te_paged.tools.argtypes import factor, integer, knob, real
 
 __all__ = [
     "MODEL_DEFAULTS",
@@ -209,7 +209,8 @@ def _print_stages(args: argparse.Namespace, cfg, sizes: dict[str, float], layers
         page_size=args.page_size,
         buffer_factor=args.buffer_factor_cuda,
         capacity_factor=cf,
-        skip_immediate_backward=args.skip_immediate_backward,
+        # As the summary above: the ring of experts (the JAX port) pages every layer.
+        skip_immediate_backward=args.skip_immediate_backward and not args.ring_of_experts,
     )
     interleaved = pipeline.schedule is PipelineSchedule.INTERLEAVED
     how = (
@@ -392,7 +393,7 @@ def add_plan_parser(sub, common: argparse.ArgumentParser) -> None:
     )
     prof.add_argument(
         "--capacity-headroom",
-        type=real(1),
+        type=factor(1, strict_min=False),
         metavar="H",
         help="the runner's capacity_headroom, the margin te_paged's expert buffer gets over the "
         f"largest profiled need ({pd['capacity_headroom']})",
@@ -435,7 +436,7 @@ def add_plan_parser(sub, common: argparse.ArgumentParser) -> None:
     knob(
         named,
         "--buffer-factor-cuda",
-        type=real(0, strict_min=True),
+        type=factor(),
         metavar="F",
         help="moe_paged_stash_buffer_size_factor_cuda: the CUDA pool over the balanced case "
         f"({md['buffer_factor_cuda']})",
@@ -444,7 +445,7 @@ def add_plan_parser(sub, common: argparse.ArgumentParser) -> None:
     knob(
         layout,
         "--capacity-factor",
-        type=real(0, strict_min=True),
+        type=factor(),
         metavar="F",
         help="moe_expert_rank_capacity_factor: static expert buffer rows over the balanced "
         f"case ({md['capacity_factor']})",

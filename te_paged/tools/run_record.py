@@ -22,10 +22,8 @@ import json
 import math
 from typing import Any
 
-import torch
-
 from te_paged._version import __version__
-from te_paged.tools.ab import ABResult
+from te_paged.tools.ab_result import ABResult
 
 __all__ = ["ENGINES", "SCHEMA_FILE", "SCHEMA_VERSION", "build_record", "dumps", "load_schema"]
 
@@ -54,7 +52,7 @@ def build_record(result: ABResult, engine: str, command: list[str]) -> dict[str,
     record = {
         "schema_version": SCHEMA_VERSION,
         "te_paged_version": __version__,
-        "torch_version": torch.__version__,
+        "torch_version": _torch_version(),
         **({"jax_version": _jax_version()} if engine == "jax" else {}),
         **({"megatron_core_version": _megatron_version()} if engine == "megatron" else {}),
         **({"torchtitan_version": _torchtitan_version()} if engine == "torchtitan" else {}),
@@ -67,6 +65,17 @@ def build_record(result: ABResult, engine: str, command: list[str]) -> dict[str,
         "wire": result.wire(),
     }
     return _finite(record)
+
+
+def _torch_version() -> str | None:
+    """torch's version, read from its metadata (no import); None where it is not installed
+    (the jax engine with only the ``jax`` extra)."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _megatron_version() -> str:

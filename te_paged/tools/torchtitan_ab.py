@@ -44,7 +44,7 @@ from te_paged.tools.ab import (
     rank_result,
     step_result,
 )
-from te_paged.tools.model import ModelConfig
+from te_paged.tools.engine_configs import TorchtitanModelConfig
 
 __all__ = [
     "TorchtitanModelConfig",
@@ -56,34 +56,6 @@ __all__ = [
     "train",
     "trainer_config",
 ]
-
-
-@dataclasses.dataclass
-class TorchtitanModelConfig(ModelConfig):
-    """The ``ab --engine torchtitan`` model and run (defaults: about a minute, 4 CPU ranks)."""
-
-    layers: int = 4  # MoE layers (the L of the reload-adjusted model)
-    dense_layers: int = 1  # dense layers first, as in DeepSeek-V3
-    experts: int = 8
-    hidden: int = 128
-    ffn: int = 256  # the experts' hidden dim
-    heads: int = 4
-    vocab: int = 512
-    seq_length: int = 128
-    micro_batch_size: int = 2
-    ep: int | None = None  # expert-parallel size; None: every rank
-    activation_checkpoint: str | None = None  # "selective" (torchtitan's per-op SAC), "full"
-    spmd_backend: str = "partial_dtensor"  # torch 2.13's FSDP2 does not take spmd_types
-    max_consecutive_fallbacks: int = 3
-    measure_memory: bool = True
-    steps: int = 3
-    #: torchtitan's HybridEP dispatcher (``moe_comm_backend="hybridep"``) in its non-blocking
-    #: mode with this ``non_blocking_capacity_factor``, kept by te_paged (its overflows rerun);
-    #: None: te_paged's static-budget dispatcher. HybridEP must import (tests: the stand-in).
-    hybridep_factor: float | None = None
-
-    def __post_init__(self) -> None:
-        self.tokens = self.seq_length * self.micro_batch_size  # per rank and step
 
 
 @dataclasses.dataclass

@@ -46,7 +46,13 @@ is set)
 =====================================  ======================================  =================
 """
 
+# ruff: noqa: E402 — the torch check comes before the imports that need torch
+
 from __future__ import annotations
+
+from te_paged._lazy import require_torch
+
+require_torch(__name__)
 
 from typing import Any
 

@@ -132,3 +132,50 @@ def test_with_torch_installed_te_paged_jax_still_does_not_import_it() -> None:
     code = "import sys, te_paged.jax, te_paged.jax.moe; print('torch' in sys.modules)"
     out = _python(code)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.torch_free
+def test_the_cli_without_torch_plans_runs_the_jax_engine_and_names_the_extra(tmp_path) -> None:
+    """``te-paged plan`` and ``te-paged ab --engine jax`` need no torch (blocked where it is
+    installed); a torch-only command, or a torch-only package, says which extra in one line.
+    Before: every command died in the parser with ``No module named 'torch'``."""
+    pytest.importorskip("jax")
+    record = tmp_path / "ab.json"
+    code = textwrap.dedent(
+        f"""
+        import importlib.metadata, importlib.util, json, sys
+        try:
+            installed = importlib.metadata.version("torch")
+        except importlib.metadata.PackageNotFoundError:
+            installed = None
+        sys.modules["torch"] = None  # any import of torch now fails
+        real = importlib.util.find_spec
+        importlib.util.find_spec = lambda name, *a: None if name == "torch" else real(name, *a)
+        from te_paged import cli
+        plan = ["plan", "--model", "deepseek-v3", "--ring-of-experts", "--pipeline-parallel", "2"]
+        assert cli.main(plan) == 0
+        ab = ["ab", "--engine", "jax", "--steps", "2", "--layers", "2", "--hidden", "16",
+              "--ffn", "16", "--tokens", "32", "--page-size", "8", "--json", {str(record)!r}]
+        assert cli.main(ab) == 0
+        assert json.load(open({str(record)!r}))["torch_version"] == installed
+        assert cli.main(["bench"]) == 2 and cli.main(["ab", "--engine", "megatron"]) == 2
+        for name in ("te_paged.grouped", "te_paged.moe", "te_paged.integrations.megatron"):
+            try:
+                __import__(name)
+            except ImportError as e:
+                assert "pip install te_paged[torch]" in str(e), e
+            else:
+                raise AssertionError(name + " imported without torch")
+        print("ok")
+        """
+    )
+    out = _python(code)
+    assert out.stdout.strip().endswith("ok") and "bitwise equal" in out.stdout, out.stdout[-2000:]
+    needs = [line for line in out.stderr.splitlines() if "needs PyTorch" in line]
+    assert needs == [
+        "te-paged bench: error: te-paged bench needs PyTorch, which is not installed here: pip "
+        "install 'te_paged[torch]' (te-paged plan and te-paged ab --engine jax run without it)",
+        "te-paged ab: error: te-paged ab --engine megatron needs PyTorch, which is not installed "
+        "here: pip install 'te_paged[torch]' (te-paged plan and te-paged ab --engine jax run "
+        "without it)",
+    ], out.stderr
