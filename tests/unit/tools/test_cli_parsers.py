@@ -343,3 +343,17 @@ def test_the_pipeline_example_of_choosing_factors_is_what_plan_prints(capsys) ->
     out = capsys.readouterr().out
     for line in printed.splitlines():
         assert line in out.splitlines(), line
+
+
+def test_the_parsers_torch_free_choices_are_the_registries_built_ins() -> None:
+    # Without torch the parser offers these (te-paged plan and ab --engine jax need no torch);
+    # with it, the registries: the two must not drift apart.
+    from te_paged.grouped.activations import ACTIVATIONS
+    from te_paged.kernels import backend_choices
+
+    # Built-ins first, in their registration order; a test may have registered more after them.
+    gated = [name for name, spec in ACTIVATIONS.items() if spec.gated]
+    assert gated[: len(cli.BUILTIN_GATED_ACTIVATIONS)] == list(cli.BUILTIN_GATED_ACTIVATIONS)
+    assert cli.gated_activations() == gated
+    assert set(cli.BUILTIN_BACKENDS) <= set(backend_choices()) == set(cli.kernel_backends())
+    assert {"auto", "torch", "triton"} == set(cli.BUILTIN_BACKENDS)
