@@ -57,7 +57,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from te_paged.config.checks import require_bool
 from te_paged.grouped.fp8 import Fp8Recipe, Fp8Tensor, dequantize
 from te_paged.grouped.grouped_mm import (
     DgradInto,
@@ -257,7 +256,8 @@ class GroupedLinear(nn.Module):
             "single_grouped_bias": single_grouped_bias,
         }  # fmt: skip
         for key, value in switches.items():  # a string such as "no" would read as True
-            require_bool(key, value)
+            if not isinstance(value, bool):
+                raise TypeError(f"{key} must be True or False, got {value!r}")
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
         self.use_bias, self.return_bias = bias, return_bias
         if use_grouped_tensor is not None and not isinstance(use_grouped_tensor, bool):
