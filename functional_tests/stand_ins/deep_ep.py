@@ -40,6 +40,13 @@ The contract, from DeepEP's source (``deepseek-ai/DeepEP``, branch ``hybrid-ep``
 * ``deep_ep.hybrid_ep_buffer.indices_to_map(topk_idx, topk_weights, num_tokens,
   num_experts)`` turns top-k indices into the boolean map and dense probabilities (TT:145-149).
 
+What the real library would misbehave on, the stand-in refuses: a blocking dispatch with a
+budget smaller than the padded rows (DeepEP writes past the buffer), a non-bool routing map or
+non-float32 probabilities, a negative top-k index, unequal token counts across ranks, a replay
+of another size, and the options it does not implement (FP8, the fused permute kernels, the
+top-k form, ``use_host_meta``). It takes any 2-byte or 4-byte hidden dtype (DeepEP's combine
+takes bf16 or fp16 only: the CPU tests run fp32 models too).
+
 The stand-in's own choices: uninitialised rows are NaN (so a reader of them is seen), the
 blocking mode's flag is -7 (garbage), each token's rows are summed in ascending expert order
 (DeepEP accumulates in fp32; the tests compare runs that share this stand-in), and it moves
@@ -63,16 +70,17 @@ __all__ = ["HybridEPBuffer", "hybrid_ep_buffer"]
 def indices_to_map(
     topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_tokens: int, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(routing_map [N, E] bool, probs [N, E] float32)`` from top-k indices and weights;
-    negative indices (no expert) are skipped."""
-    valid = topk_idx >= 0
-    idx = topk_idx.clamp(min=0).long()
-    # Adds, not writes: a skipped entry (clamped to expert 0) must not undo a routed one.
-    hits = torch.zeros(num_tokens, num_experts, dtype=torch.int64, device=topk_idx.device)
-    hits.scatter_add_(1, idx, valid.long())
+    """``(routing_map [N, E] bool, probs [N, E] float32)`` from top-k indices and weights, as
+    DeepEP scatters them (PY:9-31). DeepEP has no "no expert" index: a negative one is an
+    out-of-bounds scatter there, refused here."""
+    if (topk_idx < 0).any() or (topk_idx >= num_experts).any():
+        raise IndexError(f"topk_idx must lie in [0, {num_experts}): DeepEP scatters it as is")
+    idx = topk_idx.long()
+    routing = torch.zeros(num_tokens, num_experts, dtype=torch.bool, device=topk_idx.device)
+    routing.scatter_(1, idx, True)
     probs = torch.zeros(num_tokens, num_experts, dtype=torch.float32, device=topk_idx.device)
-    probs.scatter_add_(1, idx, torch.where(valid, topk_weights.float(), 0.0))
-    return hits > 0, probs
+    probs.scatter_(1, idx, topk_weights.float())
+    return routing, probs
 
 
 class _Handle(tuple):
@@ -131,7 +139,13 @@ class HybridEPBuffer:
             raise ValueError(
                 f"routing_map has {experts} experts, not {local} local x {self.world} ranks"
             )
-        routing_PNE = self._gather(routing_map.bool())
+        if routing_map.dtype != torch.bool:  # PY:340
+            raise TypeError(f"routing_map must be torch.bool, got {routing_map.dtype}")
+        counts = self._gather(torch.tensor([n]))
+        if not (counts == n).all():  # HybridEP's buffers are sized for equal counts
+            raise ValueError(f"every rank must dispatch the same number of tokens, got "
+                             f"{counts.tolist()}")  # fmt: skip
+        routing_PNE = self._gather(routing_map)
         mine_PNL = routing_PNE[:, :, self.rank * local : (self.rank + 1) * local]
         pad = pad_multiple or 1
         src, tok, exp, counts = [], [], [], []
@@ -151,6 +165,13 @@ class HybridEPBuffer:
         out_rows = total if num_permuted_tokens is None else int(num_permuted_tokens)
         if num_permuted_tokens is not None and non_blocking and out_rows % pad:
             raise ValueError(f"num_permuted_tokens={out_rows} is not a multiple of {pad}")
+        if total > out_rows and not non_blocking:
+            # DeepEP's blocking mode takes the caller's num_permuted_tokens as the allocation
+            # and permutes at unbounded offsets (EX:168, CU:313-319, PERM:144-154): past it.
+            raise RuntimeError(
+                f"blocking dispatch of {total} padded rows into num_permuted_tokens={out_rows}: "
+                "DeepEP writes past the buffer here (only non_blocking mode drops and flags)"
+            )
         flag = int(total > out_rows) if non_blocking else -7  # blocking: never written
         overflow = torch.tensor([flag], dtype=torch.int32)
         used = min(total, out_rows)  # the tail past the budget is dropped
@@ -177,10 +198,29 @@ class HybridEPBuffer:
         num_permuted_tokens: int | None = None,
         non_blocking: bool = False,
         handle: _Handle | None = None,
-        **fused: Any,
+        topk_idx: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+        num_of_experts: int | None = None,
+        use_host_meta: bool | None = None,
+        fuse_permute_dispatch: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, None, torch.Tensor, _Handle]:
+        # DeepEP's options the stand-in does not implement are refused, not swallowed.
         if scaling_factor is not None:
             raise NotImplementedError("the HybridEP stand-in has no FP8 dispatch")
+        if fuse_permute_dispatch:
+            raise NotImplementedError("the HybridEP stand-in has no fused permute-dispatch")
+        if topk_idx is not None or topk_weights is not None or num_of_experts is not None:
+            raise NotImplementedError("the HybridEP stand-in takes routing_map (indices_to_map "
+                                      "makes it from top-k indices)")  # fmt: skip
+        if use_host_meta is not None:
+            raise NotImplementedError("use_host_meta (deprecated in DeepEP: it flips "
+                                      "non_blocking): pass non_blocking")  # fmt: skip
+        if probs is not None and probs.dtype != torch.float32:  # CU:285
+            raise TypeError(f"probs must be float32, got {probs.dtype}")
+        if handle is not None and num_permuted_tokens is not None:
+            if int(num_permuted_tokens) != handle[3].numel():  # DeepEP allocates what is asked
+                raise ValueError(f"a replay of {handle[3].numel()} rows asked for "
+                                 f"num_permuted_tokens={int(num_permuted_tokens)}")  # fmt: skip
         if handle is None:
             if routing_map is None:
                 raise ValueError("dispatch_with_permute needs routing_map or a handle")
@@ -199,7 +239,7 @@ class HybridEPBuffer:
         out_probs = None
         if probs is not None:
             local = experts // self.world
-            probs_PNE = self._gather(probs.float())
+            probs_PNE = self._gather(probs)
             out_probs = torch.zeros(src_R.numel(), dtype=torch.float32)
             cols = self.rank * local + exp_R[real]
             out_probs[real] = probs_PNE[src_R[real], tok_R[real], cols]
@@ -215,8 +255,10 @@ class HybridEPBuffer:
         probs: torch.Tensor | None = None,
         handle: _Handle,
         pad_multiple: int | None = None,
-        **fused: Any,
+        fuse_unpermute_combine: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if fuse_unpermute_combine:
+            raise NotImplementedError("the HybridEP stand-in has no fused unpermute-combine")
         n, experts, routing_PNE, src_R, tok_R, exp_R, _, _ = handle
         self.calls.append(("combine", None))
         local = experts // self.world
