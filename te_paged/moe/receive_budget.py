@@ -84,11 +84,26 @@ class ReceiveBudget(StaticBudgetDispatcher):
     ) -> float:
         """Smallest factor, in steps of 0.01, whose receive budget for ``num_tokens`` local
         tokens holds ``peak_tokens`` rows arriving at one rank (at most ``max_factor``)."""
-        whole = max(1, self.rank_budget(num_tokens, 1.0))
-        factor = max(0.01, math.ceil(100 * peak_tokens / whole) / 100)
-        while self.rank_budget(num_tokens, factor) < peak_tokens:
-            factor = round(factor + 0.01, 2)
+        factor = self.smallest_factor(num_tokens, peak_tokens)
         return factor if self.max_factor is None else min(factor, self.max_factor)
+
+    def smallest_factor(self, num_tokens: int, rows: int) -> float:
+        """Smallest factor, in steps of 0.01, whose receive budget holds ``rows``: a binary
+        search over the hundredths, the rule being monotone in the factor. (A guess from
+        ``rows / rank_budget(num_tokens, 1.0)`` overshoots where the rule rounds up: HybridEP's
+        ``pad_multiple``, NCCL EP's 64-token chunks.)"""
+        whole = max(1, self.rank_budget(num_tokens, 1.0))
+        hi = max(1, math.ceil(100 * rows / whole))  # a factor of hi/100 holds rows...
+        while self.rank_budget(num_tokens, hi / 100) < rows:  # ...or, rounding aside, one above
+            hi *= 2
+        lo = 0  # rank_budget(num_tokens, 0) holds nothing; the answer lies in (lo, hi]
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.rank_budget(num_tokens, mid / 100) >= rows:
+                hi = mid
+            else:
+                lo = mid
+        return hi / 100
 
     def dispatch(self, *args: object, **kwargs: object) -> Any:
         raise TypeError("a ReceiveBudget does not dispatch: its framework's dispatcher does")

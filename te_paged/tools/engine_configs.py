@@ -153,6 +153,13 @@ class TorchtitanModelConfig(ModelConfig):
     #: mode with this ``non_blocking_capacity_factor``, kept by te_paged (its overflows rerun);
     #: None: te_paged's static-budget dispatcher. HybridEP must import (tests: the stand-in).
     hybridep_factor: float | None = None
+    #: HybridEP's ``pad_multiple`` (torchtitan's MXFP8 converter sets it): each local expert's
+    #: block padded to this many rows. None: no padding.
+    hybridep_pad_multiple: int | None = None
+    #: ``skew`` goes to the first ``skew_experts`` experts' routing bias, on rank 0 only or on
+    #: every rank (tests: a routing that fills one rank's experts from every rank).
+    skew_experts: int = 1
+    skew_every_rank: bool = False
 
     def __post_init__(self) -> None:
         self.tokens = self.seq_length * self.micro_batch_size  # per rank and step

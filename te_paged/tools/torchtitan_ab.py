@@ -187,6 +187,11 @@ def model_spec(cfg: TorchtitanModelConfig):
     )
     for _fqn, _node, parent, attr in list(model.traverse(FlexAttention.Config)):
         setattr(parent, attr, ScaledDotProductAttention.Config())
+    if cfg.hybridep_pad_multiple is not None:  # as torchtitan's MXFP8 converter sets it
+        from torchtitan.models.common.token_dispatcher import HybridEPTokenDispatcher
+
+        for _fqn, node, _parent, _attr in list(model.traverse(HybridEPTokenDispatcher.Config)):
+            node.pad_multiple = cfg.hybridep_pad_multiple
     return ModelSpec(
         name="deepseek_v3",
         flavor="te-paged-ab",
@@ -252,13 +257,14 @@ def trainer_config(cfg: TorchtitanModelConfig, paged: bool, world: int, dump_fol
     )
 
 
-def _skew(trainer, amount: float) -> None:
-    """Add ``amount`` to expert 0's routing bias in every MoE layer of this rank."""
+def _skew(trainer, amount: float, experts: int = 1) -> None:
+    """Add ``amount`` to the first ``experts`` experts' routing bias in every MoE layer of
+    this rank."""
     with torch.no_grad():
         for module in trainer.model_parts[0].modules():
             bias = getattr(module, "expert_bias_E", None)
             if isinstance(bias, torch.Tensor) and hasattr(module, "router"):
-                _local(bias)[0] += amount
+                _local(bias)[:experts] += amount
 
 
 def train(
@@ -273,8 +279,8 @@ def train(
     with tempfile.TemporaryDirectory(prefix="te-paged-torchtitan-") as dump:
         trainer = trainer_config(cfg, paged, world, dump).build()
         try:
-            if cfg.skew and rank == 0:
-                _skew(trainer, cfg.skew)
+            if cfg.skew and (rank == 0 or cfg.skew_every_rank):
+                _skew(trainer, cfg.skew, cfg.skew_experts)
             run = TorchtitanRun([], [], [], trainer.paged_stash_managers)
             data = trainer.batch_generator(trainer.dataloader)
             runner = trainer.paged_stash_runner

@@ -25,7 +25,10 @@ runners need and changes nothing it sends:
   the same seams as with te_paged's dispatcher (:class:`MegatronRunnerSeams`).
 
 Everything else (``dispatch_preprocess`` … ``combine_postprocess``, the shared-expert hooks,
-the CUDA-graph attributes) is Megatron's.
+the CUDA-graph attributes) is Megatron's. With ``moe_hybridep_pad_uneven_dispatch_inputs``
+Megatron pads every rank's tokens to the group's largest count (an ``all_reduce`` and a host
+read per layer, its choice) and sizes the budget from it; the budget here counts the same
+padded tokens, so the factors it fits are Megatron's.
 
 **NCCL EP** (``"ncclep"``, Transformer Engine's ``transformer_engine.pytorch.ep``) is kept
 where that module imports and can drop (``ep_bootstrap(..., drop_on_overflow=...)``,
@@ -317,7 +320,14 @@ class FlexTokenDispatcher(MegatronRunnerSeams):
             factor = None if self.budget.dropless else self.budget.capacity_factor
             self.manager.moe_expert_rank_capacity_factor = factor
         self._num_tokens = hidden_states.numel() // hidden_states.shape[-1]
-        return self.inner.dispatch_preprocess(hidden_states, routing_map, probs)
+        out = self.inner.dispatch_preprocess(hidden_states, routing_map, probs)
+        if self.backend == "hybridep" and getattr(
+            self.inner.config, "moe_hybridep_pad_uneven_dispatch_inputs", False
+        ):
+            # Megatron pads every rank's tokens to the group's largest count (setup_metadata:
+            # an all_reduce and a host read) and sizes the budget from that: so does this one.
+            self._num_tokens = int(self.manager._padded_num_tokens)
+        return out
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: Any = None, *args: Any,
                        **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip

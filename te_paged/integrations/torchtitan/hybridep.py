@@ -17,6 +17,12 @@ kept; the runner then raises the factor to the step's peak x ``capacity_headroom
 (:func:`~te_paged.moe.kept_per_expert`). :func:`~te_paged.integrations.torchtitan.convert_moe`
 keeps a ``HybridEPTokenDispatcher.Config`` as this one's config.
 
+With ``pad_multiple`` (torchtitan's MXFP8 converter sets it) HybridEP pads every local expert's
+block, so factor 1.0 is not the worst case any more (:func:`padded_worst_case_rows`: up to
+``local·(P − 1)`` rows more): the budget's ceiling is then the factor that holds the padded
+worst case, and the runner grows the factor past 1.0 when a step needs it, instead of rerunning
+every step.
+
 torchtitan's MinimalAsyncEP cannot overflow: its receive buffer is the worst case,
 ``EP · T · min(K, local experts)`` rows (``torchtitan/models/common/token_dispatcher.py``,
 ``MinimalAsyncEPTokenDispatcher.dispatch``; ``distributed/minimal_async_ep/api.py``, the
@@ -29,6 +35,7 @@ itself (``deep_ep``) is imported when the buffer is built.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +45,28 @@ from torchtitan.models.common.token_dispatcher import HybridEPTokenDispatcher
 from te_paged.config import MoEConfig
 from te_paged.moe import ReceiveBudget, kept_per_expert
 
-__all__ = ["PagedHybridEPTokenDispatcher"]
+__all__ = ["PagedHybridEPTokenDispatcher", "padded_worst_case_rows"]
+
+
+def padded_worst_case_rows(num_tokens: int, ep: int, local: int, topk: int, pad: int) -> int:
+    """The most rows HybridEP's permute can hand one rank for ``num_tokens`` tokens on each of
+    ``ep`` ranks, ``local`` experts a rank, top-``topk``, each local expert's block rounded up
+    to ``pad`` rows (DeepEP ``hybrid_ep_backend.cuh``:5170-5187: expert ``i`` starts at
+    ``Σ_{j<i} ⌈c_j/P⌉·P``). With ``N = ep·num_tokens`` tokens that can reach the rank and
+    ``S = N·min(local, topk)`` routed rows at most (``c_i ≤ N``, ``Σ c_i ≤ S``), the blocks
+    are fewest-rows-first ``⌈c_i/P⌉``: at most ``min(local·⌈N/P⌉, local + ⌊(S − local)/P⌋)``
+    of ``P`` rows. Without padding (``P = 1``) that is ``S``, torchtitan's buffer at factor
+    1.0; with it up to ``local·(P − 1)`` rows more, so factor 1.0 can drop.
+
+    >>> padded_worst_case_rows(4, 2, 4, 2, 1), padded_worst_case_rows(4, 2, 4, 2, 4)
+    (16, 28)
+    """
+    n = ep * num_tokens
+    s = n * min(local, topk)
+    if s <= local:
+        return s * pad
+    blocks = min(local * -(-n // pad), local + (s - local) // pad)
+    return blocks * pad
 
 
 class PagedHybridEPTokenDispatcher(HybridEPTokenDispatcher):
@@ -53,15 +81,25 @@ class PagedHybridEPTokenDispatcher(HybridEPTokenDispatcher):
     def __init__(self, config: Config) -> None:
         super().__init__(config)
         factor = config.non_blocking_capacity_factor
-        if factor is None or not 0 < factor <= 1:
+        padded = (config.pad_multiple or 1) > 1
+        if factor is None or not 0 < factor <= (math.inf if padded else 1):
             raise ValueError(
                 "te_paged keeps torchtitan's HybridEP dispatcher in its non-blocking mode only: "
-                f"set non_blocking_capacity_factor in (0, 1] (got {factor!r}); the blocking mode "
-                "waits on the host every layer and its buffers hold only real rows, so there is "
-                "nothing for paged stash to cut"
+                f"set non_blocking_capacity_factor in (0, 1] (got {factor!r}; above 1 only "
+                "with pad_multiple); the blocking mode waits on the host every layer and its "
+                "buffers hold only real rows, so there is nothing for paged stash to cut"
             )
         self.capacity_factor = factor
         self._budget: ReceiveBudget | None = None
+
+    def max_factor(self, num_tokens: int) -> float:
+        """The factor whose buffer holds the worst case for ``num_tokens`` tokens a rank: 1.0,
+        or more with ``pad_multiple`` (:func:`padded_worst_case_rows`), the most the runner
+        grows the budget to: a step that needs more cannot happen."""
+        ep = self.ep_mesh.size()
+        local, pad = self.num_experts // ep, self.pad_multiple or 1
+        worst = padded_worst_case_rows(num_tokens, ep, local, self.top_k, pad)
+        return self._budget.smallest_factor(num_tokens, worst)
 
     def budget(self, device: torch.device | str) -> ReceiveBudget:
         """The runner-facing counters, built on first use with the wired EP group."""
@@ -87,8 +125,9 @@ class PagedHybridEPTokenDispatcher(HybridEPTokenDispatcher):
                 moe_expert_rank_capacity_factor=self.capacity_factor,
                 expert_model_parallel_size=ep,
             )
+            # The worst case without padding; with it, set from the tokens at each dispatch.
             self._budget = ReceiveBudget(
-                config, group, rank_budget=rule, max_factor=1.0,
+                config, group, rank_budget=rule, max_factor=None if self.pad_multiple else 1.0,
                 factor_name="non_blocking_capacity_factor", device=device,
             )  # fmt: skip
         return self._budget
@@ -101,6 +140,8 @@ class PagedHybridEPTokenDispatcher(HybridEPTokenDispatcher):
         num_local_tokens_per_expert_E: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, Any]:
         budget = self.budget(x_TD.device)
+        if self.pad_multiple:
+            budget.max_factor = self.max_factor(x_TD.shape[0])
         # The static budget, or HybridEP's blocking mode for the runner's dropless rerun.
         self.non_blocking_capacity_factor = None if budget.dropless else budget.capacity_factor
         routed_RD, counts_e, metadata = super().dispatch(

@@ -109,3 +109,31 @@ def test_a_misspelt_flex_backend_is_refused() -> None:
                     moe_expert_rank_capacity_factor=1.0)  # fmt: skip
     with pytest.raises(ValueError, match="backend='hybrid_ep' is not one of"):
         flex.FlexBudget(cfg, None, align=0, backend="hybrid_ep")
+
+
+@pytest.mark.parametrize("pad_uneven", [False, True])
+def test_uneven_padding_sizes_the_budget_from_megatrons_padded_count(pad_uneven) -> None:
+    # Before: the budget counted this rank's own tokens where Megatron's HybridEP budget counts
+    # the group's largest (moe_hybridep_pad_uneven_dispatch_inputs), so the factors fitted to
+    # the step overshot or fell short of Megatron's.
+    import torch
+
+    from te_paged.config import MoEConfig
+
+    cfg = MoEConfig(hidden_size=8, moe_ffn_hidden_size=8, num_moe_experts=4, moe_router_topk=2,
+                    moe_expert_rank_capacity_factor=1.0)  # fmt: skip
+    manager = types.SimpleNamespace()
+
+    def dispatch_preprocess(hidden, routing_map, probs):  # Megatron's setup_metadata's part
+        manager._padded_num_tokens = 64 if pad_uneven else hidden.shape[0]
+        return hidden, probs
+
+    inner = types.SimpleNamespace(
+        config=types.SimpleNamespace(moe_hybridep_pad_uneven_dispatch_inputs=pad_uneven),
+        _comm_manager=manager, dispatch_preprocess=dispatch_preprocess,
+    )  # fmt: skip
+    d = flex.FlexTokenDispatcher(inner, cfg, None, align=0, backend="hybridep")
+    d.dispatch_preprocess(torch.zeros(10, 8), torch.zeros(10, 4, dtype=torch.bool),
+                          torch.zeros(10, 4))  # fmt: skip
+    assert d._num_tokens == (64 if pad_uneven else 10)
+    assert d.budget.rank_budget(d._num_tokens, 1.0) == (64 if pad_uneven else 10) * 2
