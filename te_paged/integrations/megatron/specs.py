@@ -91,16 +91,26 @@ def with_te_paged_moe(
     return out
 
 
-def gpt_layer_spec(model_config: Any, vp_stage: int | None = None) -> Any:
+def gpt_layer_spec(
+    model_config: Any,
+    vp_stage: int | None = None,
+    *,
+    loop: MegatronLoopAdapter | None = None,
+    **kwargs: object,
+) -> Any:
     """``GPTModelConfig.transformer_layer_spec`` for Megatron-LM's training loop (``--spec
     te_paged.integrations.megatron gpt_layer_spec``): the spec Megatron would build for this
     config (``megatron.training.models.gpt.default_layer_spec``: Transformer Engine or local
     layers as ``--transformer-impl`` says, the MoE layer frequency) with te_paged's MoE layers.
-    Each call (one per virtual pipeline stage) makes its own stash manager and adapter."""
+    Each call (one per virtual pipeline stage) makes its own stash manager and adapter, with
+    the adapter's default options. ``--spec`` passes no options: to set them, a script puts
+    ``functools.partial(gpt_layer_spec, loop=MegatronLoopAdapter(...))`` in
+    ``model_config.transformer_layer_spec`` (one adapter for every chunk); ``kwargs`` go to
+    :func:`with_te_paged_moe` (``manager``, te_paged overrides)."""
     from megatron.training.models.gpt import default_layer_spec
 
     spec = default_layer_spec(model_config, vp_stage)
-    return with_te_paged_moe(spec, model_config.transformer)
+    return with_te_paged_moe(spec, model_config.transformer, loop=loop, **kwargs)
 
 
 def local_hybrid_stack_spec(num_experts: int = 8) -> Any:

@@ -89,3 +89,28 @@ def test_a_config_without_a_static_budget_gets_megatrons_layer_and_no_loop_error
     assert out.submodules.mlp.module.__name__ == "MoELayer"
     with pytest.raises(ValueError, match="loop= was given"):  # and one given is still refused
         tpm.with_te_paged_moe(spec, cfg, loop=tpm.MegatronLoopAdapter())
+
+
+def test_gpt_layer_spec_takes_an_adapter_through_a_partial(monkeypatch) -> None:
+    # The --spec route passes no options; a script reaches them with
+    # functools.partial(gpt_layer_spec, loop=MegatronLoopAdapter(...)).
+    import sys
+    import types
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    # megatron.training needs Python 3.12 (typing.override) unless the CPU shims run: the one
+    # function gpt_layer_spec calls, as Megatron's default_layer_spec would answer here.
+    gpt = types.ModuleType("megatron.training.models.gpt")
+    gpt.default_layer_spec = lambda cfg, vp_stage: get_gpt_layer_local_spec(
+        num_experts=8, moe_grouped_gemm=False
+    )
+    monkeypatch.setitem(sys.modules, "megatron.training.models.gpt", gpt)
+    model_config = types.SimpleNamespace(transformer=megatron_config(num_moe_experts=8,
+                                                                     **STASH))  # fmt: skip
+    loop = tpm.MegatronLoopAdapter(grow_pool=False, max_consecutive_fallbacks=5)
+    spec = functools.partial(tpm.gpt_layer_spec, loop=loop)
+    chunks = [_moe_specs(spec(model_config, vp_stage)) for vp_stage in (0, 1)]
+    assert [moe.params["loop"] for (moe,) in chunks] == [loop, loop]  # one adapter, every chunk
+    (default,) = _moe_specs(tpm.gpt_layer_spec(model_config))  # --spec: its own, defaults
+    assert default.params["loop"] is not loop and default.params["loop"]._options["grow_pool"]
