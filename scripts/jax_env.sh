@@ -12,4 +12,4 @@ if [ ! -x "$JAX_VENV/bin/python" ]; then
   PYENV_VERSION=3.12.1 "$py312" -m venv "$JAX_VENV"
 fi
 "$JAX_VENV/bin/python" -m pip install -q --disable-pip-version-check \
-  -c scripts/jax-constraints.txt -e ".[jax]" pytest pytest-timeout hypothesis numpy
+  -c scripts/jax-constraints.txt -e ".[jax]" pytest pytest-timeout hypothesis numpy jsonschema
