@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -31,23 +32,18 @@ def triton_usable(device: torch.device) -> tuple[bool, str]:
     return True, ""
 
 
-# The kernels' module once imported (the first stash): an import statement per call would cost
-# more than the rest of the host path's look-ups together.
-_KERNELS = None
-
-
+@functools.cache
 def _kernels():
-    global _KERNELS
-    if _KERNELS is None:
-        from te_paged.kernels import triton_stash
+    """The kernels' module, imported at the first stash (a cached call: an import statement
+    per call would cost more than the rest of the host path's look-ups together)."""
+    from te_paged.kernels import triton_stash
 
-        _KERNELS = triton_stash
-    return _KERNELS
+    return triton_stash
 
 
 def triton_copy(*args: object) -> None:
-    (_KERNELS or _kernels()).triton_stash_copy(*args)
+    _kernels().triton_stash_copy(*args)
 
 
 def triton_pop(*args: object) -> None:
-    (_KERNELS or _kernels()).triton_stash_pop(*args)
+    _kernels().triton_stash_pop(*args)

@@ -53,7 +53,7 @@ from te_paged.config.checks import (
     require_int,
 )
 from te_paged.kernels import KernelBackend, backend_choices, resolve_backend
-from te_paged.kernels.layout import FLAGS_LEN
+from te_paged.kernels.layout import FLAGS_LEN, Flag
 from te_paged.stash.buffer import (
     PagedStashBuffer,
     StashKey,
@@ -409,6 +409,9 @@ class PagedStashManager(PoolAllocation, Packing, StashReporting):
                     self._warn_skip_missed(self._pending[1])
                     self._pending = None
                 skip = index in self._immediate
+                if skip:  # its tensors never reach the copy kernel: its count check, alike
+                    n = num_tokens.reshape(1)
+                    self.flags[Flag.INVALID] += ((n < 0) | (n > max_num_tokens)).sum()
         group = None
         if self._streams.overlap and self.mode is StashMode.CAPTURED:
             last = self._last_group

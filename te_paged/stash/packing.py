@@ -65,8 +65,6 @@ class _Scope:
     #: this scope paged: bytes two ops save (torchtitan's experts feed one input to two
     #: grouped GEMMs) are paged once.
     paged: dict = dataclasses.field(default_factory=dict)
-    #: A kept scope's count was checked (once, at its first kept tensor).
-    counted: list = dataclasses.field(default_factory=list)
 
 
 class _Captured:
@@ -164,10 +162,6 @@ class Packing:
             self._skipped += 1
             if self._pending is None:
                 self._pending = (scope.index, scope.layer)
-            if not scope.counted:  # the copy kernel's count check, on the device alike
-                scope.counted.append(True)
-                n = scope.num_tokens
-                self.flags[Flag.INVALID] += ((n < 0) | (n > scope.max_num_tokens)).sum()
             return _Kept(t, scope.index)
         rows_RH = t.contiguous().view(max_rows, key.hidden).view(storage_dtype(t.dtype))
         self._stashes += 1
