@@ -5,7 +5,8 @@
 Each rank writes ``DIR/rank{r}.json`` with its observations; ``test_runner_multirank.py``
 launches this and asserts on them. Every case builds fresh models from seeds, so cases cannot
 leak state into each other. Cases 1-7 put the all-to-all's wire budget at the expert buffer's
-factor (they test the per-pair budget at a stated factor); case 8 tests the wire's own.
+factor (they test the per-pair budget at a stated factor); case 8 tests the wire's own; case 9
+``max_pool_bytes`` that only some ranks' pools pass.
 """
 
 from __future__ import annotations
@@ -21,7 +22,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from te_paged.runtime import CapacityLimitError, FallbackLimitError, PagedStashRunner
+from te_paged.runtime import (
+    CapacityLimitError,
+    FallbackLimitError,
+    PagedStashRunner,
+    PoolLimitError,
+)
 from te_paged.runtime.planner import RoutingProfile, recommend
 from te_paged.tools.model import ModelConfig, ToyMoEModel, make_batch
 
@@ -87,7 +93,7 @@ def train(
         runner.grow_pool = grow and not (capture_at_factor and step == 0)
         try:
             loss, record = runner.step(fn)
-        except (FallbackLimitError, CapacityLimitError) as e:
+        except (FallbackLimitError, CapacityLimitError, PoolLimitError) as e:
             out["raised"] = f"{type(e).__name__}: {e}"
             break
         runner.grow_pool = grow
@@ -99,7 +105,8 @@ def train(
         out["grads"].append(grads)
         if model.manager is not None:
             s = model.manager.stats()
-            out["stats"].append({"stashes": s.stashes, "pops": s.pops, "overflow": s.overflow})
+            out["stats"].append({"stashes": s.stashes, "pops": s.pops, "overflow": s.overflow,
+                                 "pool_bytes": s.pool_bytes})  # fmt: skip
     if record_routing:
         out["profile"] = dataclasses.asdict(runner.routing_profile())
     return out
@@ -237,6 +244,20 @@ def main(argv: list[str] | None = None) -> int:
             "auto": summary(auto := train(wide, paged=True, auto_wire=True, auto_wire_steps=2)),
             "auto_equals_reference": same(auto, wire_ref),
         }
+        # 9. max_pool_bytes passed on some ranks only: ranks 0 and 1 plan more pool bytes than
+        #    2 and 3 (whose MXFP8 rows are 1 byte, not 4); a bound at the smallest rank's pools
+        #    raises PoolLimitError on every rank at the capture step, before any allocation,
+        #    naming the ranks past it
+        limited = dataclasses.replace(mixed, steps=2)
+        free = train(limited, paged=True, grow_pool=False, per_rank_pools=True)
+        mine = free["stats"][-1]["pool_bytes"]
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        bound = min(every)
+        bounded = train(
+            limited, paged=True, grow_pool=False, per_rank_pools=True, max_pool_bytes=bound
+        )
+        res["pool_limit"] = {"pool_bytes": every, "bound": bound, "run": summary(bounded)}
     finally:
         (args.out / f"rank{rank}.json").write_text(json.dumps(res, default=str))
         dist.barrier()  # leave together: gloo torn down under a talking peer can abort

@@ -17,7 +17,9 @@
 6. repeated forced fallbacks: the runaway guard raises on every rank with suggested factors;
 7. a routing profile recorded by the runner under a skew: the same on every rank, split by
    source rank; the capacity factor ``plan`` derives from it runs without a rerun, the one from
-   the per-rank totals alone (smaller) reruns.
+   the per-rank totals alone (smaller) reruns;
+8. the wire's own budget (below);
+9. ``max_pool_bytes`` that only some ranks' pools pass: every rank raises, naming those ranks.
 """
 
 from __future__ import annotations
@@ -117,6 +119,20 @@ def test_runaway_guard_raises_on_every_rank(ranks) -> None:
         guard = res["guard"]
         assert attempts(guard) == [2, 2]
         assert "moe_expert_rank_capacity_factor to >= " in guard["raised"]
+
+
+def test_max_pool_bytes_past_on_some_ranks_raises_on_every_rank(ranks) -> None:
+    # The planned bytes are gathered, so ranks 2 and 3 (MXFP8: smaller pools), within the
+    # bound, raise with 0 and 1 (a local check would leave them waiting in the next step's
+    # collectives).
+    every = ranks[0]["pool_limit"]["pool_bytes"]
+    bound = ranks[0]["pool_limit"]["bound"]
+    assert every[2] == every[3] == bound < every[0] == every[1], every
+    for res in ranks:
+        run = res["pool_limit"]["run"]
+        assert run["records"] == [], run  # raised in the capture step, before any pool
+        assert run["raised"].startswith("PoolLimitError: step 0:"), run["raised"]
+        assert "on rank(s) [0, 1]" in run["raised"], run["raised"]
 
 
 def test_recorded_profile_sizes_the_pair_budget_exactly(ranks) -> None:

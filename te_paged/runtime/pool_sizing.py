@@ -8,7 +8,6 @@ import logging
 import math
 
 import torch
-import torch.distributed as dist
 
 from te_paged.runtime.records import PoolLimitError, StepRecord
 from te_paged.runtime.reduction import _RankStats
@@ -57,7 +56,8 @@ class PoolSizing:
                 planned += pages * page
                 needed += m.capture_peaks(key)[1] * page
                 pools.append(f"{key} {pages} pages")
-        every = self._gather_ints(planned)
+        mine = torch.tensor([planned], dtype=torch.int64, device=self._device())
+        every = [row[0] for row in self._gather_rows(mine, "the planned pool sizes")]
         over = [rank for rank, b in enumerate(every) if b > self.max_pool_bytes]
         if not over:
             return
@@ -74,16 +74,6 @@ class PoolSizing:
             f"{_size(max(every))} on rank(s) {over} ({', '.join(pools)} here), more than "
             f"max_pool_bytes={self.max_pool_bytes} ({_size(self.max_pool_bytes)}) allows; {fix}"
         )
-
-    def _gather_ints(self, value: int) -> list[int]:
-        """``value`` of every rank of the runner's group (one ``all_reduce`` of a slot each)."""
-        rank, world = self._world()
-        if world == 1:
-            return [value]
-        vec = torch.zeros(world, dtype=torch.int64, device=self._device())
-        vec[rank] = value
-        dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=self.group)
-        return vec.tolist()
 
     def _fitting_pool_factor(
         self, record: StepRecord, per_rank: list[_RankStats] | None = None

@@ -108,25 +108,9 @@ class StepReduction:
         gather) with its step index, pipeline stage, flags and statistics. Returns, per flag
         [overflow, overbudget, spill], the ranks that raised it; and each rank's statistics
         ``(stage, peak, pair, {pool key: high-water pages})``."""
-        device = self._device()
-        local = self._local_stats(device)
-        rank, world = self._world()
-        stats_len = local.numel()
-        vec = torch.zeros(world * stats_len, dtype=torch.int64, device=device)
-        vec[rank * stats_len : (rank + 1) * stats_len] = local
-        if world > 1:
-            if device.type == "cpu" and dist.get_backend(self.group) == "nccl":
-                raise RuntimeError("the NCCL group needs the manager on a CUDA device")
-            work = dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-            try:
-                work.wait(self.timeout) if self.timeout is not None else work.wait()
-            except RuntimeError as e:
-                raise StepDesyncError(
-                    f"rank {rank}: the flags of step {self.step_index} were not reduced within "
-                    f"{self.timeout}: a rank stopped, died or skipped the step ({e})"
-                ) from e
-        values = vec.tolist()  # the step's one device -> host read
-        per_rank = [values[r * stats_len : (r + 1) * stats_len] for r in range(world)]
+        local = self._local_stats(self._device())
+        per_rank = self._gather_rows(local, "the flags")
+        rank = self._world()[0]
         self._check_step_indices([r[0] for r in per_rank], rank)
         invalid = [r for r, row in enumerate(per_rank) if row[2]]
         if invalid:
@@ -144,6 +128,28 @@ class StepReduction:
             pools = {key_from_code(k[0]): _PoolFigures(*k[1:]) for k in keys if k[0]}
             stats.append(_RankStats(row[1], row[3 + _FLAGS], row[4 + _FLAGS], pools))
         return flag_ranks, stats
+
+    def _gather_rows(self, local: torch.Tensor, what: str) -> list[list[int]]:
+        """``local`` (an int64 vector, as long on every rank) of every rank of the runner's
+        group, read on the host: one ``all_reduce(SUM)`` over one slot per rank (zero
+        elsewhere, so the sum is a gather), waited on for at most ``timeout``."""
+        rank, world = self._world()
+        n = local.numel()
+        vec = torch.zeros(world * n, dtype=torch.int64, device=local.device)
+        vec[rank * n : (rank + 1) * n] = local
+        if world > 1:
+            if local.device.type == "cpu" and dist.get_backend(self.group) == "nccl":
+                raise RuntimeError("the NCCL group needs the manager on a CUDA device")
+            work = dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            try:
+                work.wait(self.timeout) if self.timeout is not None else work.wait()
+            except RuntimeError as e:
+                raise StepDesyncError(
+                    f"rank {rank}: {what} of step {self.step_index} were not reduced within "
+                    f"{self.timeout}: a rank stopped, died or skipped the step ({e})"
+                ) from e
+        values = vec.tolist()  # one device -> host read
+        return [values[r * n : (r + 1) * n] for r in range(world)]
 
     def _invalid_here(self) -> str:
         """What this rank saw, for the error (host reads: the error path only)."""
