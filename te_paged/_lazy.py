@@ -42,11 +42,16 @@ def lazy_exports(
     return __getattr__, __dir__, sorted(exports)
 
 
+def torch_installed() -> bool:
+    """Whether torch can be imported here (found, not imported)."""
+    return importlib.util.find_spec("torch") is not None
+
+
 def require_torch(package: str) -> None:
     """At the import of ``package`` (a part of te_paged's PyTorch API): where torch is not
     installed, an ImportError that says which extra to install, instead of a bare
     ``No module named 'torch'`` from deep inside it."""
-    if importlib.util.find_spec("torch") is None:
+    if not torch_installed():
         raise ModuleNotFoundError(
             f"{package} is part of te_paged's PyTorch API, which needs torch: install it "
             "(`pip install te_paged[torch]`; pin the torch build you want first). "

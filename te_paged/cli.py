@@ -38,6 +38,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from te_paged._lazy import torch_installed
 from te_paged.tools.argtypes import MEGATRON_ALIASES, OneLineParser, factor, integer, knob, real
 
 __all__ = ["MEGATRON_ALIASES", "main"]
@@ -288,15 +289,9 @@ BUILTIN_GATED_ACTIVATIONS = ("swiglu", "geglu", "quick_geglu", "reglu", "squared
 BUILTIN_BACKENDS = ("auto", "torch", "triton")
 
 
-def _torch_installed() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("torch") is not None
-
-
 def gated_activations() -> list[str]:
     """The registered gated activations (the built-in ones without torch)."""
-    if not _torch_installed():
+    if not torch_installed():
         return list(BUILTIN_GATED_ACTIVATIONS)
     from te_paged.grouped.activations import ACTIVATIONS
 
@@ -305,7 +300,7 @@ def gated_activations() -> list[str]:
 
 def kernel_backends() -> tuple[str, ...]:
     """Every valid ``--kernel-backend`` (the built-in ones without torch)."""
-    if not _torch_installed():
+    if not torch_installed():
         return BUILTIN_BACKENDS
     from te_paged.kernels import backend_choices
 
@@ -463,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     }[args.command]
     prog = f"te-paged {args.command}"
     torch_only = args.command == "bench" or (args.command == "ab" and args.engine != "jax")
-    if torch_only and not _torch_installed():
+    if torch_only and not torch_installed():
         what = prog if args.command == "bench" else f"{prog} --engine {args.engine}"
         print(f"{prog}: error: {what} needs PyTorch, which is not installed here: pip install "
               "'te_paged[torch]' (te-paged plan and te-paged ab --engine jax run without it)",
