@@ -7,6 +7,8 @@ memory and wire figures against the capacity model, and the table. The engines f
 from __future__ import annotations
 
 import dataclasses
+import statistics
+from collections.abc import Callable
 
 from te_paged.runtime.planner import RoutingProfile
 from te_paged.runtime.pool_plan import capacity_model_saving, reload_adjusted_saving
@@ -94,8 +96,19 @@ class ABResult:
         return int(self.config.get("pipeline_parallel", 1))
 
     def memory(self, stage: int | None = None) -> dict[str, int | float | None] | None:
-        """Max over ranks (of ``stage``, or all) of the measured step's peaks, and the
-        capacity model; None when no step after the capture step kept paged stash. A ratio
+        """The measured step's peaks over the ranks (of ``stage``, or all), and the capacity
+        model; None when no step after the capture step kept paged stash.
+
+        A peak is the lower median over the ranks of one pipeline stage, the highest over
+        stages. The ranks of a stage run the same static shapes, so their peaks agree to the
+        byte, except where a communication backend's thread still held a collective's buffers
+        after the collective returned: on CPU, with more ranks than cores, gloo's worker can be
+        descheduled between completing a collective and dropping its references, and that
+        rank's peak gains the buffers (0.35-0.52 MB seen on one rank in about one run in ten of
+        the torchtitan engine under load). The lower median ignores such a rank wherever fewer
+        than half of a stage's ranks have one; ``peak_on_rank_spread_bytes`` and
+        ``peak_off_rank_spread_bytes`` report the largest spread of a stage (0 when every rank
+        agrees). The pool is the largest rank's. A ratio
         whose model is not positive (``cf ≤ bf``, or one layer's reload ``cf/L`` at least
         ``cf − bf``) is None: there is nothing to compare against. ``L`` is the layers whose
         tensors are live at the peak: every layer without pipelining; a stage's in-flight
@@ -107,11 +120,12 @@ class ABResult:
         # Reruns are decided by one collective, so every rank kept the same attempts.
         assert len(steps) == 1, f"ranks measured different steps: {sorted(steps)}"
         (step,) = steps
-        on = max(r.on[step].peak_bytes + r.pool_bytes for r in ranks)
-        off = max(r.off[step].peak_bytes for r in ranks)
+        pool = max(r.pool_bytes for r in ranks)
+        on_peak, on_spread = _stage_peak(ranks, lambda r: r.on[step].peak_bytes)
+        off, off_spread = _stage_peak(ranks, lambda r: r.off[step].peak_bytes)
+        on = on_peak + pool
         s = max(r.s_bytes for r in ranks)
         cfg = self.config
-        pool = max(r.pool_bytes for r in ranks)
         # The factor in effect: the pool the step held over S. Grown pools (grow_pool) hold
         # more than the configured factor gives, and the model must count what they hold.
         cf, bf = cfg["capacity_factor"], (pool / s if s > 0 else cfg["buffer_factor_cuda"])
@@ -132,6 +146,8 @@ class ABResult:
             "measured_over_predicted": saving / predicted if predicted > 0 else None,
             "reload_adjusted_saving_bytes": adjusted,
             "measured_over_reload_adjusted": saving / adjusted if adjusted > 0 else None,
+            "peak_on_rank_spread_bytes": on_spread,
+            "peak_off_rank_spread_bytes": off_spread,
         }
 
     def wire(self) -> dict[str, int | float | None] | None:
@@ -171,6 +187,19 @@ class ABResult:
         if self.stages == 1:
             return None
         return [self.memory(stage) for stage in range(self.stages)]
+
+
+def _stage_peak(ranks: list[RankResult], peak: Callable[[RankResult], int]) -> tuple[int, int]:
+    """``(peak, spread)`` of ``ranks``: per pipeline stage the lower median of ``peak`` over its
+    ranks and its spread (max − min); the highest median and the largest spread over stages
+    (:meth:`ABResult.memory`)."""
+    stages: dict[int, list[int]] = {}
+    for r in ranks:
+        stages.setdefault(r.stage, []).append(peak(r))
+    return (
+        max(statistics.median_low(p) for p in stages.values()),
+        max(max(p) - min(p) for p in stages.values()),
+    )
 
 
 def _same(a: float, b: float) -> bool:
@@ -247,6 +276,10 @@ def _mib(b: float) -> str:
     return f"{b / 2**20:.2f} MiB"
 
 
+def _over_ranks(world_size: int) -> str:
+    return "one rank" if world_size == 1 else f"lower median over {world_size} ranks"
+
+
 def _ratio(ratio: float | None) -> str:
     return "n/a" if ratio is None else f"{ratio:.2f}x"
 
@@ -312,7 +345,7 @@ def format_table(result: ABResult) -> str:
         which = "the last step" if counted == len(r0.on) - 1 else "the last that ran with the stash"
         rows += [
             "",
-            f"Memory of step {counted} ({which}), max over {result.world_size} rank(s) "
+            f"Memory of step {counted} ({which}), {_over_ranks(result.world_size)} "
             f"({r0.memory_method}):",
             "",
             *header,
@@ -324,9 +357,9 @@ def format_table(result: ABResult) -> str:
         which = "the last step" if counted == len(r0.on) - 1 else "the last that ran with the stash"
         rows += [
             "",
-            f"Memory of step {counted} ({which}) per pipeline stage, max over the stage's "
-            f"ranks ({r0.memory_method}); L: the layers a stage holds at its peak (in-flight "
-            "microbatch-chunks x layers per chunk):",
+            f"Memory of step {counted} ({which}) per pipeline stage, lower median over the "
+            f"stage's ranks ({r0.memory_method}); L: the layers a stage holds at its peak "
+            "(in-flight microbatch-chunks x layers per chunk):",
             "",
             "| stage " + header[0],
             "| ---: " + header[1],
@@ -335,6 +368,14 @@ def format_table(result: ABResult) -> str:
                 for stage, sm in enumerate(result.memory_per_stage() or [])
                 if sm is not None
             ),
+            "",
+        ]
+    if m is not None and (m["peak_on_rank_spread_bytes"] or m["peak_off_rank_spread_bytes"]):
+        rows += [
+            f"Ranks of one stage disagreed on a peak by up to "
+            f"{_mib(m['peak_on_rank_spread_bytes'])} ON, {_mib(m['peak_off_rank_spread_bytes'])} "
+            "OFF: buffers a communication thread held past its collective (their shapes are "
+            "static); the table takes the lower median.",
             "",
         ]
     wire = result.wire()
