@@ -268,12 +268,15 @@ class HybridEPBuffer:
                 f"combine got {hidden.shape[0]} rows for a dispatch of {src_R.numel()}"
             )
         combined = self._unpermute(hidden, real, src_R, tok_R, exp_R, n, local, routing_PNE)
-        combined_probs = None
-        if probs is not None:
-            p = self._unpermute(probs.float().reshape(-1, 1), real, src_R, tok_R, exp_R, n,
-                                local, routing_PNE, summed=False)  # fmt: skip
-            combined_probs = p.reshape(n, experts)
-        return combined, combined_probs
+        # HybridEP's combine is one kernel on every rank, whatever each passes (``with_probs``
+        # is each rank's own: PY:434-479). Here the probabilities are a second all_to_all,
+        # which every rank must make: a rank that received no rows has no gradient to send back
+        # (torchtitan passes ``probs=None`` there: TT:303) and sends zeros, or the ranks'
+        # collectives fall out of step (a full torchtitan step hung).
+        sent = probs.float().reshape(-1, 1) if probs is not None else hidden.new_zeros(
+            hidden.shape[0], 1, dtype=torch.float32)  # fmt: skip
+        p = self._unpermute(sent, real, src_R, tok_R, exp_R, n, local, routing_PNE, summed=False)
+        return combined, None if probs is None else p.reshape(n, experts)
 
     def _unpermute(self, rows_RH, real, src_R, tok_R, exp_R, n, local, routing_PNE, *,
                    summed=True):  # fmt: skip

@@ -11,7 +11,14 @@ every gradient shard and every parameter shard with an OFF run, bitwise:
   drops rows past the budget and sets its flag; te_paged's reduction sees it and the step reruns
   dropless, against an OFF run at factor 1.0 of the same routing, which never dropped;
 * ``overflow_fixed``: the same without ``grow_capacity``: every step reruns (the growth is
-  what lets later steps keep their first attempt).
+  what lets later steps keep their first attempt);
+* ``everywhere``: every rank's routing skewed to expert 0, factor 0.25, so in the reruns ranks 1
+  to 3 receive almost nothing; against an OFF run at 1.0 of the same routing;
+* ``padded_everywhere``: the same with ``pad_multiple`` 4, factor 1.0 (which padding can
+  overrun), against an OFF run at 2.0 (past the padded worst case).
+
+The last two hung in the rerun (FSDP's reduce-scatter sizes disagreeing across ranks) while it
+used HybridEP's blocking mode: see ``te_paged.integrations.torchtitan.hybridep``.
 """
 
 from __future__ import annotations
@@ -65,13 +72,21 @@ def main(argv: list[str] | None = None) -> int:
     # The skewed runs' pool has room (factor 2.0): the demand of the routing skewed to expert
     # 0 still rises step by step, and the reruns tested here are the budget's, not the pool's.
     pool = {"buffer_factor_cuda": 2.0}
+    everywhere = {"skew": SKEW, "skew_every_rank": True}
+    padded = {"hybridep_pad_multiple": 4, **everywhere}
+    never_everywhere = run(False, hybridep_factor=1.0, **everywhere)
+    never_padded = run(False, hybridep_factor=2.0, **padded)
     cases = {
         "parity": compare(run(True, hybridep_factor=1.0), parity_off),
         "overflow": compare(run(True, hybridep_factor=0.25, skew=SKEW, **pool), never),
         "overflow_fixed": compare(
             run(True, hybridep_factor=0.25, skew=SKEW, grow_capacity=False, **pool), never
         ),
-    }
+        "everywhere": compare(run(True, hybridep_factor=0.25, **everywhere, **pool),
+                              never_everywhere),
+        "padded_everywhere": compare(run(True, hybridep_factor=1.0, **padded, **pool),
+                                     never_padded),
+    }  # fmt: skip
     result = {"world_size": dist.get_world_size(), "rank": rank, "cases": cases}
     (args.out / f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()

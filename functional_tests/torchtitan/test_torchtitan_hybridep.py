@@ -47,7 +47,9 @@ def _steps(results, case):
     return steps
 
 
-@pytest.mark.parametrize("case", ["parity", "overflow", "overflow_fixed"])
+@pytest.mark.parametrize(
+    "case", ["parity", "overflow", "overflow_fixed", "everywhere", "padded_everywhere"]
+)
 def test_every_step_equals_a_run_that_dropped_nothing(results, case):
     for rank, s in _steps(results, case):
         assert s["loss_equal"] and s["grads_equal"] and s["params_equal"], (case, rank, s)
@@ -77,3 +79,25 @@ def test_a_dropping_step_reruns_and_the_budget_grows_to_what_the_rerun_measured(
 def test_without_growth_every_dropping_step_reruns(results):
     for _rank, s in _steps(results, "overflow_fixed"):
         assert s["attempt"] == 2 and s["overbudget_ranks"] > 0 and s["capacity_growth"] == {}
+
+
+@pytest.mark.parametrize("case", ["everywhere", "padded_everywhere"])
+def test_reruns_where_some_ranks_receive_almost_nothing_finish_and_grow(results, case):
+    # Every rank's routing skewed to expert 0: a step reruns dropless on every rank together
+    # (over the budget, or over the pool). With HybridEP's blocking mode the rerun hung (a
+    # rank that received no rows passed combine no probabilities: its router got no
+    # gradient, FSDP's reduce-scatter another size); the rerun's own budget
+    # (PagedHybridEPTokenDispatcher.rerun_factor) gives every rank the same non-empty buffer.
+    # Equality with OFF is the test above.
+    by_rank = {}
+    for rank, s in _steps(results, case):
+        by_rank.setdefault(rank, []).append(s)
+    for rank, steps in by_rank.items():
+        assert [s["attempt"] for s in steps].count(2) >= 1, (rank, steps)  # a rerun ran
+        if case == "everywhere":  # factor 0.25: over budget at once, then grown
+            assert steps[0]["attempt"] == 2 and steps[0]["overbudget_ranks"] > 0, steps[0]
+            assert steps[0]["capacity_growth"]["why"] == "over budget", steps[0]
+            assert steps[-1]["attempt"] == 1, steps
+        else:  # factor 1.0 holds the padded demand: the rerun is the pool's (stash overflow)
+            assert all(s["overbudget_ranks"] == 0 for s in steps), steps
+            assert max(s["peak_tokens"] for s in steps) <= steps[0]["budget_tokens"], steps

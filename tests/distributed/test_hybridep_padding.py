@@ -77,8 +77,8 @@ def _rank(rank: int, store: str, out: str) -> None:
             return routed.shape[0], int(budget.over_budget), int(counts.sum())
 
         rows = [dispatch()]  # at factor 1.0
-        # As the runner does: the dropless rerun (HybridEP's blocking mode) measures the step's
-        # need, the reduced peak; the factor that holds it is set for the next step.
+        # As the runner does: the dropless rerun (a budget that holds the dispatch) measures
+        # the step's need, the reduced peak; the factor that holds it is set for the next step.
         budget.set_dropless(True)
         rows.append(dispatch())
         need = torch.tensor([int(budget.peak_tokens)])

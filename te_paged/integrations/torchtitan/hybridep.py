@@ -11,9 +11,20 @@ whose routing overran the budget trains on fewer tokens, and nothing says so.
 te_paged's :class:`~te_paged.moe.ReceiveBudget`: after each dispatch it adds the handle's
 overflow flag (its last entry, read on the device) to the budget's over-budget counter, which
 :class:`~te_paged.integrations.torchtitan.PagedStashTrainer`'s per-step reduction reads, so the
-step reruns dropless (HybridEP's blocking mode: exact rows, nothing dropped) instead of being
-kept; the runner then raises the factor to the step's peak x ``capacity_headroom`` (at most
-1.0, the worst case). The experts get the counts clipped to the buffer
+step reruns dropless instead of being kept; the runner then raises the factor to the step's
+peak x ``capacity_headroom`` (at most 1.0, the worst case).
+
+The rerun does not use HybridEP's blocking mode (a buffer of the rows this rank receives, sized
+after a host wait). There, a rank that receives no rows gets an empty buffer; torchtitan's
+dispatch backward then passes combine no probabilities (``_combine_bwd_impl``: ``probs=None``
+when ``grad_scores`` is empty), so that rank's tokens' routing weights get no gradient, its
+router's ``grad`` stays ``None``, and FSDP's reduce-scatter of the layer has another size on that
+rank than on the others: a hang or an abort (found with every rank's routing skewed to one
+expert). The rerun keeps the non-blocking mode with the smallest factor whose buffer holds the
+most rows any rank receives in that dispatch (:meth:`PagedHybridEPTokenDispatcher.rerun_factor`:
+one all_reduce of the per-expert counts and a host read per dispatch, in the rerun only):
+every rank gets the same non-empty buffer, nothing is dropped, and every routing weight its
+gradient. The experts get the counts clipped to the buffer
 (:func:`~te_paged.moe.kept_per_expert`). :func:`~te_paged.integrations.torchtitan.convert_moe`
 keeps a ``HybridEPTokenDispatcher.Config`` as this one's config.
 
@@ -40,6 +51,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torchtitan.models.common.token_dispatcher import HybridEPTokenDispatcher
 
 from te_paged.config import MoEConfig
@@ -101,6 +113,21 @@ class PagedHybridEPTokenDispatcher(HybridEPTokenDispatcher):
         worst = padded_worst_case_rows(num_tokens, ep, local, self.top_k, pad)
         return self._budget.smallest_factor(num_tokens, worst)
 
+    def rerun_factor(self, num_tokens: int, topk_expert_ids_TK: torch.Tensor) -> float:
+        """The factor of a dropless rerun's dispatch (see the module docstring): the smallest
+        whose buffer holds the rows the most loaded rank of the group receives, each local
+        expert's block padded to ``pad_multiple``: this rank's routing counted per expert
+        (from the expert ids HybridEP routes by), summed over the group (one ``all_reduce``
+        and a host read; every rank gets the same)."""
+        ep = self.ep_mesh.size()
+        ids = topk_expert_ids_TK.reshape(-1).to(torch.int64)
+        counts = torch.bincount(ids, minlength=self.num_experts)
+        dist.all_reduce(counts, group=self.ep_mesh.get_group())
+        pad = self.pad_multiple or 1
+        per_rank = (torch.div(counts + pad - 1, pad, rounding_mode="floor") * pad).view(ep, -1)
+        rows = max(1, int(per_rank.sum(1).max()))
+        return self._budget.smallest_factor(num_tokens, rows)
+
     def budget(self, device: torch.device | str) -> ReceiveBudget:
         """The runner-facing counters, built on first use with the wired EP group."""
         if self._budget is None:
@@ -142,12 +169,16 @@ class PagedHybridEPTokenDispatcher(HybridEPTokenDispatcher):
         budget = self.budget(x_TD.device)
         if self.pad_multiple:
             budget.max_factor = self.max_factor(x_TD.shape[0])
-        # The static budget, or HybridEP's blocking mode for the runner's dropless rerun.
-        self.non_blocking_capacity_factor = None if budget.dropless else budget.capacity_factor
+        # The static budget, or for the runner's dropless rerun one that holds this dispatch.
+        static = not budget.dropless
+        self.non_blocking_capacity_factor = (
+            budget.capacity_factor
+            if static
+            else self.rerun_factor(x_TD.shape[0], topk_expert_ids_TK)
+        )
         routed_RD, counts_e, metadata = super().dispatch(
             x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E
         )
-        static = self.non_blocking_capacity_factor is not None
         handle = metadata.state.handle.value
         budget.note_dispatch(
             x_TD.shape[0],
