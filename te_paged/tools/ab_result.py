@@ -104,8 +104,8 @@ class ABResult:
         byte, except where a communication backend's thread still held a collective's buffers
         after the collective returned: on CPU, with more ranks than cores, gloo's worker can be
         descheduled between completing a collective and dropping its references, and that
-        rank's peak gains the buffers (0.35-0.52 MB seen on one rank in about one run in ten of
-        the torchtitan engine under load). The lower median ignores such a rank wherever fewer
+        rank's peak gains the buffers (benchmarks/results/gloo-linger-2026-12-05.md). The lower
+        median ignores such a rank wherever fewer
         than half of a stage's ranks have one; ``peak_on_rank_spread_bytes`` and
         ``peak_off_rank_spread_bytes`` report the largest spread of a stage (0 when every rank
         agrees). The pool is the largest rank's. A ratio

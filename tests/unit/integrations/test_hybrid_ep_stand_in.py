@@ -225,8 +225,16 @@ def _two_ranks(rank: int, store: str, out: str) -> None:
         )  # fmt: skip
         combined, _ = buffer.combine_with_unpermute(hidden=rows, handle=handle,
                                                     pad_multiple=PAD)  # fmt: skip
+        # Dispatch's backward where one rank has no probabilities to send back (torchtitan
+        # passes probs=None on a rank whose buffer is empty): every rank still makes the same
+        # collectives, as HybridEP's one-kernel combine does.
+        grad_probs = torch.ones(rows.shape[0]) if rank == 0 else None
+        _, mixed = buffer.combine_with_unpermute(hidden=rows, probs=grad_probs, handle=handle,
+                                                 pad_multiple=PAD)  # fmt: skip
+        dist.barrier()
         torch.save({"rows": rows, "counts": counts, "flag": int(handle[-1]),
-                    "combined": combined, "probs": got_probs}, f"{out}/{rank}.pt")  # fmt: skip
+                    "combined": combined, "probs": got_probs, "mixed": mixed},
+                   f"{out}/{rank}.pt")  # fmt: skip
     finally:
         dist.destroy_process_group()
 
@@ -255,3 +263,8 @@ def test_two_ranks_padded_dispatch_and_bf16_combine(tmp_path: Path) -> None:
         # Identity experts: each token comes back as the sum of its copies, in bf16.
         copies = routing[rank].sum(1, keepdim=True).bfloat16()
         assert torch.equal(got["combined"], hidden[rank] * copies)
+    # Rank 0 gets back the ones it sent for its own experts' rows, zeros from rank 1 (none).
+    assert torch.load(tmp_path / "1.pt")["mixed"] is None
+    want = routing[0].float()
+    want[:, LOCAL:] = 0
+    assert torch.equal(torch.load(tmp_path / "0.pt")["mixed"], want)
