@@ -26,12 +26,14 @@ small forward accuracy for gradients that are exact for the output actually prod
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Callable
 
 import torch
 
 from te_paged.grouped.fp8 import Fp8Recipe, Fp8Tensor, dequantize, mark_fp8_saved, quantize
+from te_paged.kernels.compiled import save_for_backward, saved_tensors
 from te_paged.markers import (
     is_grouped_tensor_marked,
     mark_grouped_tensor,
@@ -58,6 +60,11 @@ __all__ = [
 QUICK_GELU_ALPHA = 1.702
 
 
+def static_function(cls: type, name: str) -> Callable:
+    """``cls``'s static method ``name`` as the plain function it wraps."""
+    return inspect.getattr_static(cls, name).__func__
+
+
 def _mark(paged_stash: bool, source: torch.Tensor, target: torch.Tensor) -> None:
     if paged_stash:
         mark_grouped_tensor(target)
@@ -79,12 +86,12 @@ def save_inputs(ctx, x, probs, recipe, paged_stash, num_rows) -> tuple[torch.Ten
     _mark(paged_stash, probs, probs_R)
     if recipe is None:
         _mark(paged_stash, x, x_RC)
-        ctx.save_for_backward(x_RC, probs_R)
+        save_for_backward(ctx, x_RC, probs_R)
         return x_RC.to(ctx.compute_dtype), probs_R
     fp8 = quantize(x_RC, recipe, num_rows)
     if paged_stash or is_grouped_tensor_marked(x):
         mark_fp8_saved(fp8)
-    ctx.save_for_backward(*fp8.saved(), probs_R)
+    save_for_backward(ctx, *fp8.saved(), probs_R)
     return dequantize(fp8).to(ctx.compute_dtype), probs_R
 
 
@@ -93,9 +100,9 @@ def load_saved_inputs(ctx) -> tuple[torch.Tensor, torch.Tensor]:
     (dequantised from its FP8 store); ``ctx.x_shape``/``x_dtype``/``probs_shape`` restore the
     caller's views."""
     if ctx.recipe is None:
-        x_RC, probs_R = ctx.saved_tensors
+        x_RC, probs_R = saved_tensors(ctx)
         return x_RC.to(ctx.compute_dtype), probs_R
-    fp8, (probs_R,) = Fp8Tensor.from_saved(ctx.saved_tensors, ctx.recipe, ctx.x_dtype)
+    fp8, (probs_R,) = Fp8Tensor.from_saved(saved_tensors(ctx), ctx.recipe, ctx.x_dtype)
     return dequantize(fp8).to(ctx.compute_dtype), probs_R
 
 
@@ -318,6 +325,14 @@ class ActivationSpec:
     elementwise: Callable[[torch.Tensor], torch.Tensor]
     fused: type[torch.autograd.Function] | None = None
     fused_clamp: bool = False
+
+    def __post_init__(self) -> None:
+        # The fused kernel's static forward and backward as plain functions, for the op fuser
+        # (te_paged.moe.fused_mlp) to drive with stand-in contexts: resolved here, once, since
+        # Dynamo takes a call through the autograd function's class for its own entry point.
+        for name in ("forward", "backward"):
+            fn = None if self.fused is None else static_function(self.fused, name)
+            object.__setattr__(self, f"fused_{name}", fn)
 
     @property
     def is_gated(self) -> bool:

@@ -19,6 +19,7 @@ from te_paged.grouped.grouped_tensor import (
     group_ids_from_offsets,
     row_mask_from_offsets,
 )
+from te_paged.kernels.compiled import save_for_backward, saved_tensors
 from te_paged.markers import mark_grouped_tensor
 
 __all__ = [
@@ -72,21 +73,48 @@ def _gmm_per_group(a: torch.Tensor, b: torch.Tensor, offsets_E: torch.Tensor) ->
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
     """Grouped GEMM for any feature sizes. ``torch._grouped_mm`` needs 16-byte aligned strides:
-    on CUDA unaligned operands are copied into aligned storage (same sizes, no host read); on
-    CPU they run one ``mm`` per group, bit for bit what ``_grouped_mm`` computes for aligned
-    ones and what the legacy path computes."""
-    if _aligned(a) and _aligned(b):
-        return torch._grouped_mm(a, b, offs=offsets_E)
-    if a.is_cuda:
-        a = a if _aligned(a) else _with_aligned_strides(a)
-        b = b if _aligned(b) else _with_aligned_strides(b)
-        return torch._grouped_mm(a, b, offs=offsets_E)
-    return _gmm_per_group(a, b, offsets_E)
+    on CUDA (and under torch.compile) unaligned operands are copied into aligned storage (same
+    sizes, no host read); eager on CPU they run one ``mm`` per group, bit for bit what
+    ``_grouped_mm`` computes for aligned ones and what the legacy path computes."""
+    if not (_aligned(a) and _aligned(b)):
+        if not _host_reads_are_free(a):
+            a = a if _aligned(a) else _with_aligned_strides(a)
+            b = b if _aligned(b) else _with_aligned_strides(b)
+        else:
+            return _gmm_per_group(a, b, offsets_E)
+    if a.dtype != torch.bfloat16 and torch.compiler.is_compiling():
+        # torch's fake kernel takes bf16 only, where the CPU kernel also takes fp32.
+        return torch.ops.te_paged.grouped_mm(a, b, offsets_E)
+    return torch._grouped_mm(a, b, offs=offsets_E)
 
 
 def _host_reads_are_free(t: torch.Tensor) -> bool:
-    """CPU tensors: reading their offsets on the host is no synchronisation."""
-    return not t.is_cuda
+    """Eager CPU tensors: reading their offsets on the host is no synchronisation. Under
+    torch.compile never (a host read there is a graph break): the device paths run."""
+    return not t.is_cuda and not torch.compiler.is_compiling()
+
+
+_LIB = torch.library.Library("te_paged", "FRAGMENT")
+_LIB.define("grouped_mm(Tensor a, Tensor b, Tensor offs) -> Tensor")
+_LIB.impl(
+    "grouped_mm",
+    lambda a, b, offs: torch._grouped_mm(a, b, offs=offs).contiguous(),
+    "CompositeExplicitAutograd",
+)
+
+
+@torch.library.register_fake("te_paged::grouped_mm")
+def _(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm``'s output shape (its meta function's cases), any float dtype."""
+    if a.dim() == 2 and b.dim() == 2:
+        size = (offs.shape[0], a.shape[0], b.shape[1])
+    elif a.dim() == 2:
+        size = (a.shape[0], b.shape[-1])
+    elif b.dim() == 2:
+        size = (a.shape[1], b.shape[1])
+    else:
+        size = (a.shape[0], a.shape[1], b.shape[-1])
+    return a.new_empty(size)
 
 
 def _k_align_rows(t: torch.Tensor) -> int:
@@ -212,15 +240,16 @@ class GroupedLinearFn(torch.autograd.Function):
             else:
                 x_saved = x_TI.detach()  # own alias: marking it leaves the caller's tensor alone
                 mark_grouped_tensor(x_saved)
+                ctx.input_saved_at = len(saved)  # the op fuser drops it under moe_act recompute
                 saved.append(x_saved)
         if ctx.need_dgrad:
             saved += weights
-        ctx.save_for_backward(*saved)
+        save_for_backward(ctx, *saved)
         return y_TO
 
     @staticmethod
     def backward(ctx, dy_TO: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        offsets_E, *rest = ctx.saved_tensors
+        offsets_E, *rest = saved_tensors(ctx)
         rows, num_groups = ctx.rows, offsets_E.shape[0]
         dy_TO = dy_TO.contiguous()
         dx_TI = None

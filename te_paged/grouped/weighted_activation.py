@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from te_paged.kernels.compiled import save_for_backward, saved_tensors
 from te_paged.markers import mark_grouped_tensor, propagate_paged_stash_marker
 
 __all__ = [
@@ -52,6 +53,8 @@ def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     ``torch.compile``), compiled on first use, so forward and backward give the bits of the
     compiled kernel (one rounding in bf16) rather than of three eager ops."""
     global _compiled_quick_gelu
+    if torch.compiler.is_compiling():  # inside a compiled region: already compiled
+        return _quick_gelu(x)
     if _compiled_quick_gelu is None:
         _compiled_quick_gelu = torch.compile(_quick_gelu)
     return _compiled_quick_gelu(x)
@@ -112,8 +115,10 @@ class _WeightedActivation(torch.autograd.Function):
                 mark_grouped_tensor(saved)
             else:
                 propagate_paged_stash_marker(source, saved)
-        ctx.save_for_backward(x_saved, p_saved)
+        save_for_backward(ctx, x_saved, p_saved)
         ctx.spec = (act, gated, limit, offset)
+        if torch.compiler.is_compiling():  # no inner graph to build: backward takes a vjp
+            return _forward(x_RC, probs_R, act, gated, limit, offset)
         # In grad mode, as Megatron calls it (and as backward recomputes it): a compiled
         # activation then runs the same compiled graph in forward and backward, and keeps to one
         # cache entry per input layout (grad mode is part of torch.compile's guards). The
@@ -124,8 +129,16 @@ class _WeightedActivation(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy_RF):
-        x_RC, probs_R = ctx.saved_tensors
+        x_RC, probs_R = saved_tensors(ctx)
         needs = ctx.needs_input_grad[:2]
+        if torch.compiler.is_compiling():
+            # Dynamo does not trace torch.autograd.grad; torch.func.vjp differentiates the
+            # same ops with the same formulas (the compiled graph, ON and OFF alike, uses it).
+            spec = ctx.spec
+            _, vjp = torch.func.vjp(lambda x, p: _forward(x, p, *spec), x_RC, probs_R)
+            dx, dp = vjp(dy_RF)
+            return (dx if needs[0] else None, dp if needs[1] else None,
+                    None, None, None, None, None)  # fmt: skip
         with torch.enable_grad():
             x = x_RC.detach().requires_grad_(needs[0])
             p = probs_R.detach().requires_grad_(needs[1])
@@ -193,7 +206,10 @@ _compiled_wsr: dict[str, Callable] = {}
 
 
 def _wsr(name: str) -> Callable:
-    """The compiled kernel (Megatron compiles both directions with ``jit_fuser``)."""
+    """The compiled kernel (Megatron compiles both directions with ``jit_fuser``); inside a
+    compiled region the function itself."""
+    if torch.compiler.is_compiling():
+        return _wsr_forward if name == "fwd" else _wsr_backward
     if name not in _compiled_wsr:
         _compiled_wsr[name] = torch.compile(_wsr_forward if name == "fwd" else _wsr_backward)
     return _compiled_wsr[name]
@@ -213,12 +229,12 @@ class _FusedWeightedSquaredReLU(torch.autograd.Function):
                 mark_grouped_tensor(saved)
             else:
                 propagate_paged_stash_marker(source, saved)
-        ctx.save_for_backward(x_saved, w_saved)
+        save_for_backward(ctx, x_saved, w_saved)
         return _wsr("fwd")(x_RF, w_R1)
 
     @staticmethod
     def backward(ctx, dy_RF):
-        x_RF, w_R1 = ctx.saved_tensors
+        x_RF, w_R1 = saved_tensors(ctx)
         dx, dw = _wsr("bwd")(dy_RF, x_RF, w_R1)
         return dx, dw, None
 

@@ -64,7 +64,9 @@ def mark_grouped_tensor(*tensors: torch.Tensor | None, scale_inv: bool = False) 
             continue
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"mark_grouped_tensor expects tensors or None, got {type(t).__name__}")
-        if not te_mark_grouped_tensor(t, scale_inv):
+        # Under torch.compile the mark is read only by te_paged's save helper
+        # (te_paged.kernels.compiled), at trace time: no Transformer Engine probe to trace.
+        if torch.compiler.is_compiling() or not te_mark_grouped_tensor(t, scale_inv):
             setattr(t, GROUPED_TENSOR_ATTR, bool(scale_inv))
 
 

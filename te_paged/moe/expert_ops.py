@@ -17,15 +17,10 @@ from te_paged.config import MoEConfig
 from te_paged.grouped import grouped_mm
 from te_paged.grouped.activations import (
     ActivationSpec,
-    WeightedQuickGeGLUFunction,
-    WeightedSwiGLUFunction,
-    weighted_quick_geglu,
-    weighted_swiglu,
 )
-from te_paged.grouped.fp8 import Fp8Recipe
 from te_paged.grouped.grouped_tensor import group_ids_from_offsets, row_mask_from_offsets
 from te_paged.grouped.weighted_activation import fused_weighted_squared_relu, weighted_activation
-from te_paged.markers import mark_grouped_tensor
+from te_paged.kernels.compiled import paged_product
 
 __all__ = ["activation_function", "apply_fused_activation", "apply_packed_bias", "pre_fc1_probs"]
 
@@ -40,7 +35,7 @@ def activation_function(cfg: MoEConfig, num_rows: torch.Tensor) -> Callable:
     spec = cfg.activation_type
     limit, offset = cfg.activation_func_clamp_value, cfg.glu_linear_offset
     if cfg.bias_activation_fusion and spec.fused is not None:
-        fp8 = cfg.fp8 if cfg.activation_func_fp8_input_store else None
+        fp8 = cfg.fp8_recipe if cfg.activation_func_fp8_input_store else None
         return functools.partial(
             apply_fused_activation, spec, fp8_input_store=fp8, paged_stash=cfg.moe_paged_stash,
             num_rows=num_rows, limit=limit, linear_offset=offset,
@@ -59,17 +54,13 @@ def activation_function(cfg: MoEConfig, num_rows: torch.Tensor) -> Callable:
 
 def apply_fused_activation(spec: ActivationSpec, x, probs, *, fp8_input_store, paged_stash,
                            num_rows, limit, linear_offset) -> torch.Tensor:  # fmt: skip
-    """``spec``'s fused kernel on ``x`` ``[R, C]`` and ``probs`` ``[R]`` (checked arguments)."""
-    if spec.fused is WeightedSwiGLUFunction and limit is None and not linear_offset:
-        return weighted_swiglu(x, probs, fp8_input_store=fp8_input_store, paged_stash=paged_stash,
-                               num_rows=num_rows)  # fmt: skip
-    if spec.fused is WeightedQuickGeGLUFunction:
-        return weighted_quick_geglu(
-            x, probs, limit=limit, linear_offset=linear_offset, fp8_input_store=fp8_input_store,
-            paged_stash=paged_stash, num_rows=num_rows,
-        )  # fmt: skip
-    recipe = None if fp8_input_store is None else Fp8Recipe(fp8_input_store)
-    return spec.fused.apply(x, probs, recipe, bool(paged_stash), num_rows, limit, linear_offset)
+    """``spec``'s fused kernel on ``x`` ``[R, C]`` and ``probs`` ``[R]`` (arguments the config
+    checked: ``fp8_input_store`` a recipe or None, ``limit`` and ``linear_offset`` valid for
+    the kernel, which refuses a clamp it does not take). No per-call probe: traceable."""
+    return spec.fused.apply(
+        x, probs, fp8_input_store, bool(paged_stash), num_rows,
+        None if limit is None else float(limit), float(linear_offset),
+    )  # fmt: skip
 
 
 def pre_fc1_probs(
@@ -86,10 +77,8 @@ def pre_fc1_probs(
     """
     if not cfg.moe_apply_probs_on_input:
         return x_TH, probs_T
-    x_in, p_T1 = x_TH.view_as(x_TH), probs_T.reshape(-1, 1)
-    if cfg.moe_paged_stash:
-        mark_grouped_tensor(x_in, p_T1)
-    return (p_T1 * x_in).to(x_TH.dtype), torch.ones_like(probs_T)
+    x_in = paged_product(probs_T.reshape(-1, 1), x_TH, dtype=x_TH.dtype, paged=cfg.moe_paged_stash)
+    return x_in, torch.ones_like(probs_T)
 
 
 def apply_packed_bias(
@@ -121,8 +110,6 @@ def apply_packed_bias(
         return torch.cat([*parts, pad]).to(y_TH.dtype)
     group_T = group_ids_from_offsets(offsets_E, rows).clamp_(max=b_EH.shape[0] - 1)
     b_TH = b_EH.index_select(0, group_T)
-    if paged_stash:
-        mark_grouped_tensor(b_TH, p_T1)
-    out_TH = (y_TH + b_TH * p_T1).to(y_TH.dtype)
+    out_TH = (y_TH + paged_product(b_TH, p_T1, paged=paged_stash)).to(y_TH.dtype)
     pad_T1 = ~row_mask_from_offsets(offsets_E, rows).unsqueeze(1)
     return out_TH.masked_fill(pad_T1, 0)

@@ -29,8 +29,10 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from te_paged.config.budget import balanced_rows
 from te_paged.grouped import GroupedLinear
 from te_paged.grouped.grouped_tensor import offsets_from_splits, splits_are_invalid
+from te_paged.kernels.compiled import StashSite
 from te_paged.kernels.layout import Flag
 from te_paged.markers import mark_grouped_tensor
 from te_paged.moe.config_adapter import as_moe_config
@@ -41,6 +43,10 @@ from te_paged.moe.recompute import CheckpointWithoutOutput
 from te_paged.stash import PagedStashManager
 
 __all__ = ["TEGroupedMLP"]
+
+#: ``floor(max_num_tokens / factor)`` of the exact decimal factor (a ``Fraction``, which Dynamo
+#: does not trace): evaluated once per traced shape, a constant of the graph.
+_balanced_rows = torch.compiler.assume_constant_result(balanced_rows)
 
 
 def _manager_device(device: torch.device | str | None) -> torch.device | str | None:
@@ -122,6 +128,7 @@ class TEGroupedMLP(nn.Module, PagedStashParticipant):
         if cfg.moe_paged_stash and manager is None:
             manager = PagedStashManager.from_config(cfg, _manager_device(device))
         self.manager = manager
+        self._stash_site = StashSite(self)  # names this layer in a compiled graph's scopes
         self._balanced_num_tokens: int | None = None  # see balanced_tokens()
         if cfg.use_transformer_engine_op_fuser and not cfg.moe_use_grouped_tensor:
             raise ValueError(
@@ -164,9 +171,13 @@ class TEGroupedMLP(nn.Module, PagedStashParticipant):
         if not cfg.moe_paged_stash or self.manager is None or not self.manager.enabled:
             return contextlib.nullcontext()
         avg = self._balanced_num_tokens
-        if avg is None:  # not told by the dispatcher: estimated from the rounded budget
+        if avg is None and torch.compiler.is_compiling():  # a constant of the traced shapes
+            avg = _balanced_rows(max_num_tokens, cfg.moe_expert_rank_capacity_factor)
+        elif avg is None:  # not told by the dispatcher: estimated from the rounded budget
             avg = cfg.avg_num_tokens(max_num_tokens)
-        return self.manager.scope(max_num_tokens, num_tokens, avg, layer=self.layer_number)
+        # Under torch.compile the layer is named by its site, read when the scope opens: one
+        # graph serves every layer (te_paged.kernels.compiled).
+        return self.manager.scope(max_num_tokens, num_tokens, avg, layer=self._stash_site)
 
     def forward(
         self,
@@ -200,7 +211,7 @@ class TEGroupedMLP(nn.Module, PagedStashParticipant):
         # Unclamped: a count over the static budget must reach the stash, which flags it.
         num_tokens = splits_E.sum().reshape(1)
         if self.manager is not None:  # also in the manager's stats() (the linears count too)
-            self.manager.flags[Flag.INVALID] += splits_are_invalid(splits_E, rows)
+            self.manager.add_flag(Flag.INVALID, splits_are_invalid(splits_E, rows))
         with self._stash_scope(rows, num_tokens):
             if self.config.use_transformer_engine_op_fuser:
                 out_TH = fused_grouped_mlp(self, x_TH, splits_E, offsets_E, probs_T, num_tokens)

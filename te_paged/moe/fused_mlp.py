@@ -18,24 +18,47 @@ import dataclasses
 
 import torch
 
-from te_paged.grouped.activations import ActivationSpec, load_saved_inputs
+from te_paged.grouped.activations import ActivationSpec, load_saved_inputs, static_function
 from te_paged.grouped.fp8 import Fp8Recipe
 from te_paged.grouped.grouped_mm import FnOptions, GroupedLinearFn
+from te_paged.kernels.compiled import save_for_backward, saved_tensors
 from te_paged.moe.expert_ops import apply_packed_bias, pre_fc1_probs
 
 __all__ = ["fused_grouped_mlp"]
 
 
+# Plain functions: called through the class, Dynamo would take them for the autograd entry.
+_linear_forward = static_function(GroupedLinearFn, "forward")
+_linear_backward = static_function(GroupedLinearFn, "backward")
+
+
 class _SubCtx:
-    """What an autograd function's static forward/backward need from ``ctx``."""
+    """What an autograd function's static forward/backward need from ``ctx``. It only collects
+    what the function saves (``defer_paging``: under torch.compile the fused function pages
+    what it keeps, once, see :func:`te_paged.kernels.compiled.save_for_backward`)."""
+
+    defer_paging = True
 
     def __init__(self, needs_input_grad: tuple[bool, ...]) -> None:
         self.needs_input_grad = needs_input_grad
         self.to_save: tuple[torch.Tensor | None, ...] = ()
         self.saved_tensors: tuple[torch.Tensor | None, ...] = ()
+        self.input_saved_at: int | None = None
 
     def save_for_backward(self, *tensors: torch.Tensor | None) -> None:
         self.to_save = tensors
+
+
+class _Restored:
+    """A forward stand-in's attributes, with the saved tensors backward loaded."""
+
+    def __init__(self, sub: _SubCtx, saved: tuple[torch.Tensor | None, ...]) -> None:
+        self._sub = sub
+        self.saved_tensors = saved
+        self.needs_input_grad = sub.needs_input_grad
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._sub, name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,18 +78,14 @@ class _Spec:
 
 def _act_forward(spec: _Spec, ctx: _SubCtx, h_TC, probs_T, num_rows):
     """The registered activation's fused kernel: its forward, driven with a stand-in ctx."""
-    return spec.activation.fused.forward(
+    return spec.activation.fused_forward(
         ctx, h_TC, probs_T, spec.act_recipe, spec.paged_stash, num_rows, spec.limit,
         spec.linear_offset,
     )  # fmt: skip
 
 
 def _act_backward(spec: _Spec, ctx: _SubCtx, da_TF):
-    return spec.activation.fused.backward(ctx, da_TF)[:2]
-
-
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    return spec.activation.fused_backward(ctx, da_TF)[:2]
 
 
 class _FusedGroupedMLP(torch.autograd.Function):
@@ -92,22 +111,19 @@ class _FusedGroupedMLP(torch.autograd.Function):
         c2 = _SubCtx((need_h, need_p, False, False, False, False, False))
         need_a = need_h or need_p
         c3 = _SubCtx((need_a, False, False, False, *p2))
-        h_TC = GroupedLinearFn.forward(
-            c1, x_TH, offsets_E, FnOptions(spec.fc1_recipe), spec.n_w1, *w1, *b1
-        )
+        h_TC = _linear_forward(c1, x_TH, offsets_E, FnOptions(spec.fc1_recipe), spec.n_w1, *w1, *b1)
         a_TF = _act_forward(spec, c2, h_TC, probs_T, num_rows)
-        y_TH = GroupedLinearFn.forward(
-            c3, a_TF, offsets_E, FnOptions(spec.fc2_recipe), spec.n_w2, *w2
-        )
+        y_TH = _linear_forward(c3, a_TF, offsets_E, FnOptions(spec.fc2_recipe), spec.n_w2, *w2)
         saved3 = c3.to_save
         dropped = ()
         if spec.recompute_act:
-            dropped = tuple(t is not None and _same_storage(t, a_TF) for t in saved3)
+            # FC2's saved input, when it is the activation output itself (not an FP8 copy).
+            dropped = tuple(i == c3.input_saved_at for i in range(len(saved3)))
             saved3 = tuple(None if d else t for t, d in zip(saved3, dropped))
         ctx.spec, ctx.subs, ctx.dropped = spec, (c1, c2, c3), dropped
         ctx.counts = (len(c1.to_save), len(c2.to_save), len(saved3))
         ctx.num_rows = num_rows
-        ctx.save_for_backward(*c1.to_save, *c2.to_save, *saved3)
+        save_for_backward(ctx, *c1.to_save, *c2.to_save, *saved3)
         for c in (c1, c2, c3):
             # Only the saved copies may keep these alive: the stash has taken (or, under
             # recompute, dropped) each of them, and a reference here would pin the static-size
@@ -117,10 +133,12 @@ class _FusedGroupedMLP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy_TH):
-        spec, (c1, c2, c3) = ctx.spec, ctx.subs
-        saved = ctx.saved_tensors
+        spec, (f1, f2, f3) = ctx.spec, ctx.subs
+        saved = saved_tensors(ctx)
         n1, n2, _ = ctx.counts
-        c1.saved_tensors, c2.saved_tensors = saved[:n1], saved[n1 : n1 + n2]
+        # Fresh stand-ins over the forward's (which backward leaves as they are: Dynamo traces
+        # backward as a function of what forward kept). Locals: freed with this backward.
+        c1, c2 = _Restored(f1, saved[:n1]), _Restored(f2, saved[n1 : n1 + n2])
         saved3 = saved[n1 + n2 :]
         if any(ctx.dropped):
             # Recompute the activation output from the activation's own saved input.
@@ -131,17 +149,13 @@ class _FusedGroupedMLP(torch.autograd.Function):
             with torch.no_grad():
                 a_TF = _act_forward(plain, _SubCtx(c2.needs_input_grad), h_TC, probs_T, None)
             saved3 = tuple(a_TF if d else t for t, d in zip(saved3, ctx.dropped))
-        c3.saved_tensors = saved3
-        da_TF, _, _, _, *g2 = GroupedLinearFn.backward(c3, dy_TH)
+        c3 = _Restored(f3, saved3)
+        da_TF, _, _, _, *g2 = _linear_backward(c3, dy_TH)
         dh_TC, dprobs_T = (None, None) if da_TF is None else _act_backward(spec, c2, da_TF)
         g1 = [None] * (spec.n_w1 + spec.n_b1)
         dx_TH = None
         if dh_TC is not None:
-            dx_TH, _, _, _, *g1 = GroupedLinearFn.backward(c1, dh_TC)
-        for c in (c1, c2, c3):
-            # Autograd frees a node's saved tensors after its backward; these references to
-            # them (reloaded at full static size) would otherwise outlive it, one layer each.
-            c.saved_tensors = ()
+            dx_TH, _, _, _, *g1 = _linear_backward(c1, dh_TC)
         return (dx_TH, dprobs_T, None, None, None, *g1, *g2)
 
 

@@ -78,6 +78,14 @@ class CheckpointWithoutOutput:
 
     def checkpoint(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Call ``fn(*args)`` without saving its outputs for backward."""
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                "CheckpointWithoutOutput does not compile: it frees its output's storage after "
+                "forward and refills it in place in backward, which torch.compile's graphs do "
+                "not express. With te_paged's experts, recompute_modules=['moe_act'] compiles "
+                "on the op-fuser path (use_transformer_engine_op_fuser=True), which recomputes "
+                "the activation inside its own function; or leave the experts eager"
+            )
         if self._ctx is not None:
             raise RuntimeError("a CheckpointWithoutOutput instance checkpoints one call")
         outputs = _CheckpointFunction.apply(fn, self, *args)

@@ -6,6 +6,7 @@ from te_paged._lazy import require_torch
 
 require_torch(__name__)
 
+from te_paged.kernels.compiled import StashSite, save_for_backward, saved_tensors
 from te_paged.stash.buffer import PagedStashBuffer, StashKey, storage_dtype
 from te_paged.stash.manager import PagedStashManager, StashMode, StashStats
 
@@ -14,6 +15,9 @@ __all__ = [
     "PagedStashManager",
     "StashKey",
     "StashMode",
+    "StashSite",
     "StashStats",
+    "save_for_backward",
+    "saved_tensors",
     "storage_dtype",
 ]

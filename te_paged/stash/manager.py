@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import sys
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -53,6 +54,13 @@ from te_paged.config.checks import (
     require_int,
 )
 from te_paged.kernels import KernelBackend, backend_choices, resolve_backend
+from te_paged.kernels.compiled import (
+    StashPort,
+    StashSite,
+    TracedScope,
+    pop_scope_port,
+    push_scope_port,
+)
 from te_paged.kernels.layout import FLAGS_LEN, Flag
 from te_paged.stash.buffer import (
     PagedStashBuffer,
@@ -180,11 +188,24 @@ class PagedStashManager(PoolAllocation, Packing, StashReporting):
         self._last_group: _Group | None = None
         self._tensor_ids = 0  # names the resources of each paged tensor for the streams' fake
         self._disabled_depth = 0  # see disabled(): the one switch that turns stashing off
+        # torch.compile (te_paged.kernels.compiled): this manager and an unnamed layer as op
+        # arguments, and the handles a compiled forward saved under tickets, until loaded.
+        self._port, self._site = StashPort(self), StashSite()
+        self._tickets: dict[int, object] = {}
+        self._ticket_refs: dict[int, int] = {}
+        self._ticket_ids = 0
+        # paged_nothing(): this step's scopes opened with grad, those an outer saved-tensor
+        # hooks context owned, those a compiled graph opened, saved tensors the hooks passed
+        # unmarked; and whether the warning was given.
+        self._step_scopes = self._step_scopes_outside = self._step_scopes_traced = 0
+        self._step_unmarked = 0
+        self._warned_paged_nothing = False
         self.mode = StashMode.CAPTURE
         self.flags = torch.zeros(FLAGS_LEN, dtype=torch.int64, device=self.device)
         self.buffers: dict[StashKey, PagedStashBuffer] = {}
         self._peaks: dict[StashKey, _Peak] = {}
         self._scope: _Scope | None = None
+        self._scope_owned_outside = False  # the open scope left its tensors to outer hooks
         self._stashes = 0
         self._pops = 0
         self._capture_bytes = 0
@@ -268,6 +289,7 @@ class PagedStashManager(PoolAllocation, Packing, StashReporting):
         returns every page and clears flags and counters in place, allocating nothing."""
         if self._scope is not None:
             raise RuntimeError("PagedStashManager.reset() called inside an open scope")
+        self.paged_nothing()  # the step that ends here: said once if it paged nothing
         self.join_side_streams()
         self._streams.note("reset", writes=["flags", *(("pool", k) for k in self.buffers)])
         self._last_group = None
@@ -287,6 +309,10 @@ class PagedStashManager(PoolAllocation, Packing, StashReporting):
         self.flags.zero_()
         self._stashes = self._pops = self._capture_bytes = self._skipped = 0
         self._scopes_opened, self._pending = 0, None
+        self._tickets.clear()
+        self._ticket_refs.clear()
+        self._step_scopes = self._step_scopes_outside = self._step_scopes_traced = 0
+        self._step_unmarked = 0
         self._capture_log.clear()
         self._stepped_since_reset = False
         self._live_rows.clear()
@@ -295,6 +321,16 @@ class PagedStashManager(PoolAllocation, Packing, StashReporting):
             self.timeline.clear()
         for peak in self._peaks.values():
             peak.clear_live()
+
+    def add_flag(self, flag: Flag, count: torch.Tensor) -> None:
+        """Add ``count`` (a one-element integer tensor on the device) to ``flag``: in place,
+        no read. Under torch.compile an op of the graph (``te_paged::flag_add``), ordered with
+        the stash's own: the flags are written by kernels the compiler does not see, so they
+        are never a graph value it could write back over them."""
+        if torch.compiler.is_compiling():
+            torch.ops.te_paged.flag_add(count, self._port, int(flag))
+        else:
+            self.flags[flag] += count
 
     def clear_flags(self) -> None:
         """Zero the flags in place, keeping the pools and pages (allocation-free, sync-free):
@@ -326,6 +362,57 @@ class PagedStashManager(PoolAllocation, Packing, StashReporting):
         if self.buffers:
             logger.debug("freed the paged-stash pools (%s)", ", ".join(map(str, self.buffers)))
         self.buffers.clear()
+        self._tickets.clear()  # a compiled forward's handles whose backward never ran
+        self._ticket_refs.clear()
+
+    def paged_nothing(self) -> str | None:
+        """Why this step (since the last ``reset()``) paged nothing, although stashing was on
+        and scopes opened with grad enabled; None when it paged, kept or captured a tensor, or
+        opened no such scope. The first time a step pages nothing the cause is logged at
+        WARNING (once per manager); the runners put it in the step record. Host counters only.
+        """
+        if not self._step_scopes or self._stashes or self._skipped:
+            return None
+        cause = self._paged_nothing_cause()
+        if not self._warned_paged_nothing:
+            self._warned_paged_nothing = True
+            logger.warning(
+                "PagedStashManager: paged stash is on and this step opened %d scope(s) with "
+                "grad enabled, but paged nothing: %s. The saved activations stayed at their "
+                "static size: no memory was saved.",
+                self._step_scopes,
+                cause,
+            )
+        return cause
+
+    def _paged_nothing_cause(self) -> str:
+        if self._step_scopes_outside == self._step_scopes:
+            return (
+                "an outer saved_tensors_hooks context owned what autograd saved in every "
+                "scope (torch.autograd.graph.save_on_cpu, or torch.utils.checkpoint with "
+                "use_reentrant=False around the experts), and te_paged leaves those tensors to "
+                "it; open the scopes outside such a context, or use a reentrant checkpoint"
+            )
+        compiled = _compile_used()
+        if self._step_scopes_traced:
+            return (
+                "the scopes a compiled graph opened saved no marked tensor through "
+                "te_paged.stash.save_for_backward: under torch.compile only te_paged's autograd "
+                "functions (and producers that save through that helper) page; a marker on a "
+                "tensor a plain op saves is not seen there"
+            )
+        if compiled:
+            return (
+                f"the scopes' hooks saw {self._step_unmarked} saved tensor(s), none marked, and "
+                "torch.compile ran in this process: what a compiled region saves are the "
+                "compiler's values, not the objects the producers marked. Compile the whole "
+                "MoE layer (te_paged's scope inside the compiled code), or leave it eager"
+            )
+        return (
+            f"the scopes' hooks saw {self._step_unmarked} saved tensor(s), none marked: the "
+            "layers' producers marked nothing (moe_paged_stash off in the layers' config, or "
+            "a producer that does not call mark_grouped_tensor on what it saves)"
+        )
 
     @property
     def stashes_skipped(self) -> int:
@@ -353,40 +440,50 @@ class PagedStashManager(PoolAllocation, Packing, StashReporting):
 
     # ---------------------------------------------------------------------------------- scope
 
-    @contextlib.contextmanager
     def scope(
         self,
         max_num_tokens: int,
         num_tokens: torch.Tensor,
         avg_num_tokens: int,
         *,
-        layer: int | None = None,
-    ) -> Iterator[None]:
+        layer: int | StashSite | None = None,
+    ) -> contextlib.AbstractContextManager[None]:
         """Page the marked tensors autograd saves inside this block.
 
         ``max_num_tokens`` is the static row count of the expert buffers, ``num_tokens`` a
         tensor on the manager's device holding the actual count (a prefix), ``avg_num_tokens``
         the balanced-case estimate used to size the pools. ``layer`` (the expert module's
-        ``layer_number``) names the NVTX ranges of the stashes and pops
+        ``layer_number``, or a :class:`~te_paged.kernels.compiled.StashSite` that reads it when
+        the scope opens) names the NVTX ranges of the stashes and pops
         (``te_paged.stash.layer<N>``).
 
         Saved tensors that an outer ``saved_tensors_hooks`` already owns are left to it: inside
         torch's non-reentrant checkpoint (its first forward and its recomputation) or
-        ``save_on_cpu``, the scope installs nothing. Otherwise the inner hooks would win, and a
+        ``save_on_cpu``, the scope installs nothing (and a step that pages nothing for that
+        reason says so: :meth:`paged_nothing`). Otherwise the inner hooks would win, and a
         checkpointed layer would be paged twice, its recomputed tensors never popped (pages
         held to the step's end, the pool sized double). A reentrant checkpoint (Megatron's
         full and ``moe`` recompute) runs its first forward without grad, saving nothing, and
         its recomputation in backward with no outer hooks: that forward is paged and popped
         layer by layer.
+
+        Under ``torch.compile`` the block's autograd functions page their own saved tensors
+        and the scope opens and closes as ops of the graph (:mod:`te_paged.kernels.compiled`).
         """
         if not self.enabled:
-            yield
-            return
-        if self._scope is not None:
-            raise RuntimeError("paged-stash scopes do not nest: one scope per expert group")
-        if _saved_tensors_owned_outside():
-            yield
-            return
+            return contextlib.nullcontext()
+        self._check_scope_args(max_num_tokens, num_tokens, avg_num_tokens, layer)
+        if torch.compiler.is_compiling():
+            site, number = (layer, -1) if isinstance(layer, StashSite) else (self._site, layer)
+            return TracedScope(
+                self._port, site, max_num_tokens, num_tokens.reshape(1), avg_num_tokens,
+                -1 if number is None else number,
+            )  # fmt: skip
+        if isinstance(layer, StashSite):
+            layer = layer.layer
+        return self._eager_scope(max_num_tokens, num_tokens, avg_num_tokens, layer)
+
+    def _check_scope_args(self, max_num_tokens, num_tokens, avg_num_tokens, layer) -> None:
         if not isinstance(num_tokens, torch.Tensor) or num_tokens.numel() != 1:
             raise TypeError("num_tokens must be a one-element integer tensor on the device")
         if num_tokens.dtype.is_floating_point or num_tokens.dtype == torch.bool:
@@ -394,13 +491,54 @@ class PagedStashManager(PoolAllocation, Packing, StashReporting):
         self._check_device("num_tokens", num_tokens)
         require_int("max_num_tokens", max_num_tokens, minimum=1)
         require_int("avg_num_tokens", avg_num_tokens, minimum=0)
-        if layer is not None:
+        if layer is not None and not isinstance(layer, StashSite):
             require_int("layer", layer, minimum=0)
+
+    @contextlib.contextmanager
+    def _eager_scope(self, max_num_tokens, num_tokens, avg_num_tokens, layer) -> Iterator[None]:
+        if not self._open_scope(max_num_tokens, num_tokens, avg_num_tokens, layer):
+            try:
+                yield
+            finally:
+                self._close_scope()
+            return
+        push_scope_port(self._port)  # a function compiled inside this block pages through it
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            pop_scope_port()
+            self._close_scope()
+
+    def _open_scope(
+        self,
+        max_num_tokens: int,
+        num_tokens: torch.Tensor,
+        avg_num_tokens: int,
+        layer: int | None,
+        grad_enabled: bool | None = None,
+        *,
+        traced: bool = False,
+    ) -> bool:
+        """Open the scope (checked arguments); False where an outer ``saved_tensors_hooks``
+        owns what autograd saves. Eager calls it from :meth:`scope`, a compiled graph from
+        ``te_paged::scope_enter`` (with the grad mode the block was traced in)."""
+        if self._scope is not None:
+            raise RuntimeError("paged-stash scopes do not nest: one scope per expert group")
+        if grad_enabled is None:
+            grad_enabled = torch.is_grad_enabled()
+        if grad_enabled:
+            self._step_scopes += 1
+            self._step_scopes_traced += int(traced)
+        if _saved_tensors_owned_outside():
+            self._step_scopes_outside += int(grad_enabled)
+            self._scope_owned_outside = True
+            return False
         index = self._scopes_opened
         skip = False
         # Scopes that cannot save (no grad: evaluation, a reentrant checkpoint's first forward)
         # do not count, so an evaluation forward does not shift the order the capture learned.
-        if self.skip_immediate_backward and torch.is_grad_enabled():
+        if self.skip_immediate_backward and grad_enabled:
             self._scopes_opened += 1
             if self.mode is StashMode.CAPTURE:
                 self._pending = (index, layer)  # immediate if its tensors are popped first
@@ -424,11 +562,10 @@ class PagedStashManager(PoolAllocation, Packing, StashReporting):
         )
         # Kept (a reference, no copy) for invalid_counts(): which layer an INVALID flag came from.
         self._step_counts.append((layer, self._scope.num_tokens, max_num_tokens))
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                yield
-        finally:
-            self._scope = None
+        return True
+
+    def _close_scope(self) -> None:
+        self._scope, self._scope_owned_outside = None, False
 
     def _warn_skip_missed(self, layer: int | None) -> None:
         if self._warned_skip_missed:
@@ -443,7 +580,7 @@ class PagedStashManager(PoolAllocation, Packing, StashReporting):
             "size until their backward, above what the pools were sized for. Run every step "
             "with the capture step's schedule, or set skip_immediate_backward=False.",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
 
     def _check_device(self, name: str, t: torch.Tensor) -> None:
@@ -485,6 +622,13 @@ def _note_optimizer_step(ref: weakref.ref, optimizer: object, args: object, kwar
     manager = ref()
     if manager is not None and (manager._stashes or manager._skipped):
         manager._stepped_since_reset = True
+
+
+def _compile_used() -> bool:
+    """Whether torch.compile built a graph in this process (Dynamo's own counters; read only
+    on the warning's path, and only where Dynamo is already imported)."""
+    dynamo = sys.modules.get("torch._dynamo.utils")
+    return dynamo is not None and dynamo.counters["stats"]["unique_graphs"] > 0
 
 
 def _saved_tensors_owned_outside() -> bool:

@@ -140,7 +140,14 @@ class Packing:
     def _pack(self, t: torch.Tensor) -> object:
         scope = self._scope
         kind = grouped_tensor_marker(t)
-        if scope is None or kind is None or t.dim() == 0 or t.numel() == 0:
+        if scope is None or kind is None:
+            self._step_unmarked += 1
+            return t
+        return self._pack_kind(t, kind, scope)
+
+    def _pack_kind(self, t: torch.Tensor, kind: MarkerKind, scope: _Scope) -> object:
+        """What autograd (or a compiled graph's ticket) keeps of ``t``, marked ``kind``."""
+        if t.dim() == 0 or t.numel() == 0:
             return t
         if is_checkpoint_without_output_tensor(t):
             return t  # recompute owns this storage (and every view of it)
@@ -430,3 +437,76 @@ class Packing:
             handle.group.handles.remove(handle)  # the look-ahead keeps no reload alive
         self._trace("pop", buffer, handle.meta)
         self._pops += 1
+
+    # -------------------------------------------------- compiled graphs (te_paged.kernels.compiled)
+
+    def _save_ticket(self, t: torch.Tensor, kind: MarkerKind) -> torch.Tensor:
+        """``te_paged::save``'s body: pack ``t`` as the hooks would, keep the handle under a
+        ticket, return the ticket (an int64 ``[1]`` on the CPU: reading it is no sync)."""
+        scope = self._scope
+        if scope is not None:
+            handle = self._pack_kind(t, kind, scope)
+        elif self._scope_owned_outside:  # an outer saved_tensors_hooks context owns it
+            hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            handle = _Outer(hooks[0](t), hooks[1])
+        else:
+            raise RuntimeError(
+                "a compiled graph saved a marked tensor while no paged-stash scope was open: "
+                "its te_paged ops ran out of program order (te_paged::save before its "
+                "te_paged::scope_enter), or the graph was compiled inside a scope and run "
+                "outside one"
+            )
+        self._ticket_ids += 1
+        self._tickets[self._ticket_ids] = handle
+        self._ticket_refs[id(handle)] = self._ticket_refs.get(id(handle), 0) + 1
+        ticket = torch.tensor([self._ticket_ids], dtype=torch.int64)
+        # The number also rides on the object, which autograd hands back to the load: read
+        # there without a host read of the tensor (which an outer hook may have copied).
+        ticket.te_paged_ticket = self._ticket_ids
+        return ticket
+
+    def _load_ticket(self, tid: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """``te_paged::load``'s body: the tensor the ticket's handle unpacks to, contiguous (the
+        graph was compiled for the fake's strides) and shared with no other tensor (the
+        compiler may reuse an op's output in place): copied where either does not hold."""
+        handle = self._tickets.pop(tid, None)
+        if handle is None:
+            raise RuntimeError(
+                "a compiled backward loaded a paged-stash ticket that is gone: reset() or "
+                "release() ran between its forward and its backward (call them at step "
+                "boundaries only, after every backward of the step), or it was loaded twice"
+            )
+        refs = self._ticket_refs.pop(id(handle)) - 1
+        if refs:
+            self._ticket_refs[id(handle)] = refs
+        if isinstance(handle, _Outer):
+            out = handle.unpack(handle.packed)
+        elif isinstance(handle, torch.Tensor):
+            out = handle
+        else:
+            out = self._unpack(handle)
+        if out.shape != shape or out.dtype != dtype:
+            raise RuntimeError(
+                f"a paged-stash ticket unpacked to {tuple(out.shape)} {out.dtype}, but the "
+                f"compiled graph expects {shape} {dtype}"
+            )
+        if refs or not out.is_contiguous() or not _exclusive(out):
+            out = out.clone(memory_format=torch.contiguous_format)
+        return out
+
+
+class _Outer:
+    """Handle of a tensor an outer ``saved_tensors_hooks`` context packed (``save_on_cpu``, a
+    non-reentrant checkpoint) for a compiled graph's ticket: its own hooks, as eager's."""
+
+    __slots__ = ("packed", "unpack")
+
+    def __init__(self, packed: object, unpack) -> None:
+        self.packed = packed
+        self.unpack = unpack
+
+
+def _exclusive(t: torch.Tensor) -> bool:
+    """Whether ``t`` is the only tensor on its storage (the count includes the temporary
+    storage object this call makes)."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= 2

@@ -1,0 +1,317 @@
+"""The paged stash under ``torch.compile``: te_paged's autograd functions page their own saved
+tensors through five ``torch.library`` ops, so that compiled and eager page the same tensors.
+
+Why not the saved-tensor hooks eager uses: Dynamo turns ambient ``saved_tensors_hooks`` off
+while it traces (pytorch#123196), and what a compiled region saves are the partitioner's
+choice of graph values, not the objects te_paged's producers marked. AOTAutograd can inline
+hooks into a graph (pytorch#150032), but only hooks that are themselves fixed graphs of one
+saved tensor: they cannot read a scope's token count nor the pool a step grew. So under
+compile the producers page explicitly:
+
+``save_for_backward(ctx, *tensors)`` / ``saved_tensors(ctx)``
+    What te_paged's autograd functions call instead of ``ctx.save_for_backward`` /
+    ``ctx.saved_tensors``. Eager: exactly those (the scope's hooks page the marked ones).
+    While Dynamo traces inside a scope: each marked tensor is handed to ``te_paged::save``,
+    which returns a *ticket* (an int64 ``[1]`` tensor on the CPU) saved in its place, and
+    backward's ``te_paged::load`` turns the ticket back into the tensor.
+
+The ops (all ordered effects: AOTAutograd threads them on a token, so they run in program
+order and are never dropped, reordered or recomputed by the partitioner)::
+
+    scope_enter(num_tokens, port, site, max_num_tokens, avg_num_tokens, grad_enabled)
+    scope_exit(port)
+    save(t, port, tokens_per_row) -> ticket             # forward
+    load(ticket, port, shape, dtype, device) -> tensor  # backward
+    flag_add(value, port, flag)                         # a count into the manager's flags
+
+``port`` is the manager as an opaque *reference* object (:class:`StashPort`, torch's Note
+[Opaque Objects]): a graph input the compiler never looks into. Each op's body runs, at run
+time, the very code eager runs from its hooks (:mod:`te_paged.stash.packing`): the capture
+step's exact-size copies, the paged steps' one copy and one pop kernel (which read every count
+on the device), ``skip_immediate_backward``, the stream overlap, the outer-hooks rule. Nothing
+of the manager's state is a graph value: the pools grow and are reallocated between steps, live
+across the forward and backward graphs, and are written by kernels the compiler cannot see; as
+graph inputs they would be functionalised (copied whole under ``aot_eager``) and saved for
+backward as snapshots. So one graph serves the capture step and every paged step; the manager's
+mode is not a guard. What is a guard: whether stashing is on (``manager.enabled``: a dropless
+rerun compiles once, a graph with no stash ops) and the layer's shapes.
+
+``site`` (:class:`StashSite`) names the layer a scope belongs to at run time (its NVTX ranges,
+``skip_immediate_backward``'s warning), so that layers that share compiled code (torchtitan
+compiles each block, one code object) share one graph instead of one per layer number.
+
+A ticket's handle is freed by its load; ``reset()`` drops the tickets of a step whose backward
+never ran. A load hands out memory no other tensor shares (a tensor kept unpaged whose storage
+is still referenced elsewhere, or a reload two tickets share, is copied), since the compiler may
+write into an op's output in place.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch._library.effects import EffectType
+from torch._library.opaque_object import register_opaque_type
+from torch._opaque_base import OpaqueBase
+
+from te_paged.markers import MarkerKind, grouped_tensor_marker, mark_grouped_tensor
+
+__all__ = [
+    "StashPort",
+    "StashSite",
+    "open_scope_port",
+    "paged_product",
+    "save_for_backward",
+    "saved_tensors",
+]
+
+
+class StashPort(OpaqueBase):
+    """A :class:`~te_paged.stash.PagedStashManager` as a custom op argument (an opaque
+    reference: the graph carries it, the op bodies use it). Holds the manager weakly."""
+
+    def __init__(self, manager: Any) -> None:
+        self._manager = weakref.ref(manager)
+
+    @property
+    def manager(self) -> Any:
+        manager = self._manager()
+        if manager is None:
+            raise RuntimeError("a compiled graph ran a paged-stash op of a manager that is gone")
+        return manager
+
+
+class StashSite(OpaqueBase):
+    """Where a scope opens: a layer whose ``layer_number`` is read when the scope opens (so that
+    Megatron's ``set_layer_number`` after compiling still names the layer), or a fixed one."""
+
+    def __init__(self, owner: object = None, layer: int | None = None) -> None:
+        self._owner = None if owner is None else weakref.ref(owner)
+        self._layer = layer
+
+    @property
+    def layer(self) -> int | None:
+        owner = None if self._owner is None else self._owner()
+        return self._layer if owner is None else getattr(owner, "layer_number", None)
+
+
+register_opaque_type(StashPort, typ="reference")
+register_opaque_type(StashSite, typ="reference")
+_PORT = f"{StashPort.__module__}.{StashPort.__qualname__}"
+_SITE = f"{StashSite.__module__}.{StashSite.__qualname__}"
+
+_LIB = torch.library.Library("te_paged", "FRAGMENT")
+_LIB.define(
+    f"scope_enter(Tensor num_tokens, {_PORT} port, {_SITE} site, int layer, "
+    "int max_num_tokens, int avg_num_tokens, bool grad_enabled) -> Tensor"
+)
+_LIB.define(f"scope_exit({_PORT} port) -> Tensor")
+_LIB.define(f"save(Tensor t, {_PORT} port, int tokens_per_row) -> Tensor")
+_LIB.define(
+    f"load(Tensor ticket, {_PORT} port, SymInt[] shape, ScalarType dtype, Device device) -> Tensor"
+)
+_LIB.define(f"flag_add(Tensor value, {_PORT} port, int flag) -> Tensor")
+
+
+def _done() -> torch.Tensor:
+    """What the ops that only act return: Inductor orders effectful ops by the buffers they
+    produce, and an op with no output drops out of that chain (it ran after the saves of its
+    own scope)."""
+    return torch.empty(0, dtype=torch.int64)
+
+
+def _scope_enter(num_tokens, port, site, layer, max_num_tokens, avg_num_tokens, grad_enabled):
+    port.manager._open_scope(
+        max_num_tokens, num_tokens, avg_num_tokens, site.layer if layer < 0 else layer,
+        grad_enabled, traced=True,
+    )  # fmt: skip
+    return _done()
+
+
+def _scope_exit(port) -> torch.Tensor:
+    port.manager._close_scope()
+    return _done()
+
+
+def _save(t, port, tokens_per_row) -> torch.Tensor:
+    return port.manager._save_ticket(t, MarkerKind(tokens_per_row))
+
+
+def _load(ticket, port, shape, dtype, device) -> torch.Tensor:
+    tid = getattr(ticket, "te_paged_ticket", None)
+    return port.manager._load_ticket(int(ticket[0]) if tid is None else tid, tuple(shape), dtype)
+
+
+def _flag_add(value, port, flag) -> torch.Tensor:
+    port.manager.flags[flag] += value.reshape(()).to(torch.int64)
+    return _done()
+
+
+for _name, _fn in (
+    ("scope_enter", _scope_enter),
+    ("scope_exit", _scope_exit),
+    ("save", _save),
+    ("load", _load),
+    ("flag_add", _flag_add),
+):
+    _LIB.impl(_name, _fn, "CompositeExplicitAutograd")
+    torch.library._register_effectful_op(f"te_paged::{_name}", EffectType.ORDERED)
+
+
+@torch.library.register_fake("te_paged::scope_enter")
+def _(num_tokens, port, site, layer, max_num_tokens, avg_num_tokens, grad_enabled):
+    return _done()
+
+
+@torch.library.register_fake("te_paged::scope_exit")
+def _(port) -> torch.Tensor:
+    return _done()
+
+
+@torch.library.register_fake("te_paged::save")
+def _(t, port, tokens_per_row) -> torch.Tensor:
+    return torch.empty(1, dtype=torch.int64, device="cpu")
+
+
+@torch.library.register_fake("te_paged::load")
+def _(ticket, port, shape, dtype, device) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+@torch.library.register_fake("te_paged::flag_add")
+def _(value, port, flag) -> torch.Tensor:
+    return _done()
+
+
+# The ports of the scopes open now, innermost last: an eager scope pushes its manager's port
+# while its hooks are installed, a traced scope while Dynamo traces its block. What Dynamo
+# reads here at trace time decides whether a function it traces pages its saved tensors; it
+# guards on it, so a function compiled outside any scope and later called inside one compiles
+# again (once). Process-wide like torch's own saved-tensor hooks stack, and for the same reason:
+# the autograd functions that consult it are not handed the manager.
+_OPEN: list[StashPort] = []
+
+
+def open_scope_port() -> StashPort | None:
+    """The port of the innermost open scope (eager or traced), or None."""
+    return _OPEN[-1] if _OPEN else None
+
+
+def push_scope_port(port: StashPort) -> None:
+    """An eager scope opened (its hooks installed): functions traced inside it page through
+    ``port``. Paired with :func:`pop_scope_port`."""
+    _OPEN.append(port)
+
+
+def pop_scope_port() -> None:
+    _OPEN.pop()
+
+
+class TracedScope:
+    """``manager.scope(...)`` while Dynamo traces: the scope opens and closes at run time, in
+    program order (``te_paged::scope_enter`` / ``scope_exit``), and the functions traced
+    inside it page their marked saved tensors (:func:`save_for_backward`)."""
+
+    def __init__(self, port: StashPort, site: StashSite, max_num_tokens: int,
+                 num_tokens: torch.Tensor, avg_num_tokens: int, layer: int) -> None:  # fmt: skip
+        self.port, self.site, self.layer = port, site, layer
+        self.max_num_tokens, self.num_tokens = max_num_tokens, num_tokens
+        self.avg_num_tokens = avg_num_tokens
+
+    def __enter__(self) -> None:
+        torch.ops.te_paged.scope_enter(
+            self.num_tokens, self.port, self.site, self.layer, self.max_num_tokens,
+            self.avg_num_tokens, torch.is_grad_enabled(),
+        )  # fmt: skip
+        _OPEN.append(self.port)
+
+    def __exit__(self, *exc: object) -> bool:
+        _OPEN.pop()
+        torch.ops.te_paged.scope_exit(self.port)
+        return False
+
+
+def save_for_backward(ctx: Any, *tensors: torch.Tensor | None) -> None:
+    """``ctx.save_for_backward(*tensors)`` that pages the marked ones under ``torch.compile``
+    too (see the module docstring); read them back with :func:`saved_tensors`."""
+    port = _OPEN[-1] if _OPEN and torch.compiler.is_compiling() else None
+    # A stand-in ctx of a fused function (te_paged.moe.fused_mlp) only collects: the fused
+    # function pages what it keeps of them, once.
+    if port is None or getattr(ctx, "defer_paging", False) or not any(ctx.needs_input_grad):
+        ctx.save_for_backward(*tensors)
+        return
+    saved, loads = [], []
+    for t in tensors:
+        kind = None if t is None else grouped_tensor_marker(t)
+        if kind is None or t.numel() == 0:
+            saved.append(t)
+            loads.append(None)
+            continue
+        saved.append(torch.ops.te_paged.save(t, port, kind.tokens_per_row))
+        loads.append((tuple(t.shape), t.dtype, t.device))
+    ctx.te_paged_loads = (port, tuple(loads))
+    ctx.save_for_backward(*saved)
+
+
+class _PagedProduct(torch.autograd.Function):
+    """``(a · b).to(dtype)`` that saves what autograd's product saves — ``b`` when ``a`` needs a
+    gradient, ``a`` when ``b`` does — itself (paged when ``paged``; both token-major), and
+    differentiates it in backward with ``torch.func.vjp``: autograd's own formulas, from the
+    same saved values. An operand not saved enters the vjp as a zero of its shape (a stride-0
+    view, no memory): the product's gradient for the other one does not read it."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype | None, paged: bool):
+        need_a, need_b = ctx.needs_input_grad[:2]
+        saved = [t.view_as(t) if keep else None for t, keep in ((a, need_b), (b, need_a))]
+        if paged:
+            mark_grouped_tensor(*saved)
+        save_for_backward(ctx, *saved)
+        ctx.dtype = dtype
+        ctx.metas = tuple((t.shape, t.dtype) for t in (a, b))
+        return _product(a, b, dtype)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        operands = [
+            t if t is not None else dy.new_zeros((), dtype=dtype).expand(shape)
+            for t, (shape, dtype) in zip(saved_tensors(ctx), ctx.metas)
+        ]
+        _, vjp = torch.func.vjp(lambda a, b: _product(a, b, ctx.dtype), *operands)
+        da, db = vjp(dy)
+        need_a, need_b = ctx.needs_input_grad[:2]
+        return (da if need_a else None), (db if need_b else None), None, None
+
+
+def _product(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    y = a * b
+    return y if dtype is None else y.to(dtype)
+
+
+def paged_product(a: torch.Tensor, b: torch.Tensor, *, dtype: torch.dtype | None = None,
+                  paged: bool) -> torch.Tensor:  # fmt: skip
+    """``(a · b).to(dtype)`` (``dtype`` None: the promoted one) for a producer whose product's
+    token-major operands are marked for the stash (eager: ``mark_grouped_tensor`` on fresh
+    aliases of both, then the product, exactly what the producers did). Under torch.compile,
+    where the compiler, not the marked objects, decides what a plain op saves, it runs as one
+    autograd function that saves (and pages) what autograd's product would have saved."""
+    if torch.compiler.is_compiling():
+        return _PagedProduct.apply(a, b, dtype, bool(paged))
+    if paged:
+        a, b = a.view_as(a), b.view_as(b)
+        mark_grouped_tensor(a, b)
+    return _product(a, b, dtype)
+
+
+def saved_tensors(ctx: Any) -> tuple[torch.Tensor | None, ...]:
+    """``ctx.saved_tensors``, with what :func:`save_for_backward` paged loaded back."""
+    saved = ctx.saved_tensors
+    loads = getattr(ctx, "te_paged_loads", None)
+    if loads is None:
+        return saved
+    port, metas = loads
+    return tuple(
+        t if m is None else torch.ops.te_paged.load(t, port, *m) for t, m in zip(saved, metas)
+    )
