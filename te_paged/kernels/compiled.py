@@ -48,6 +48,7 @@ write into an op's output in place.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any
 
@@ -61,6 +62,7 @@ from te_paged.markers import MarkerKind, grouped_tensor_marker, mark_grouped_ten
 __all__ = [
     "StashPort",
     "StashSite",
+    "compile_used",
     "open_scope_port",
     "paged_product",
     "save_for_backward",
@@ -192,6 +194,13 @@ def _(value, port, flag) -> torch.Tensor:
 # again (once). Process-wide like torch's own saved-tensor hooks stack, and for the same reason:
 # the autograd functions that consult it are not handed the manager.
 _OPEN: list[StashPort] = []
+
+
+def compile_used() -> bool:
+    """Whether torch.compile built a graph in this process (Dynamo's own counters; only where
+    Dynamo is already imported, which compiling does)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return utils is not None and utils.counters["stats"]["unique_graphs"] > 0
 
 
 def open_scope_port() -> StashPort | None:

@@ -4,7 +4,10 @@
 * CUDA: the caching allocator's statistics (``max_memory_allocated`` after
   ``reset_peak_memory_stats``, minus what was allocated before).
 * CPU: torch's dispatch-based ``MemTracker`` (``torch.distributed._tools.mem_tracker``), which
-  sees every storage allocated while the work runs and reports the peak by category.
+  sees every storage allocated while the work runs and reports the peak by category. Where
+  torch.compile has built a graph in the process, compiled code refuses to run under a
+  dispatch mode: the CPU figure is then the CPU allocator's own running total as the
+  profiler records it (``profile_memory=True``): its peak above the work's start, as on CUDA.
 
 Either way the figure is the peak of the memory the work itself holds: on CUDA everything
 allocated before it (parameters, existing gradients, a stash pool allocated at the step boundary)
@@ -22,6 +25,7 @@ from typing import Any
 
 import torch
 
+from te_paged.kernels.compiled import compile_used
 from te_paged.runtime.pool_plan import capacity_model_saving, reload_adjusted_saving
 
 __all__ = [
@@ -50,17 +54,25 @@ class PeakMemoryMeter:
     (e.g. a step rerun after an overflow); the peak carries over.
     """
 
-    def __init__(self, device: torch.device | str) -> None:
+    def __init__(self, device: torch.device | str, *, compiled: bool | None = None) -> None:
         self.device = torch.device(device)
         self.report: MemoryReport | None = None
         self._tracker = None
+        self._profiler = None
         self._base = 0
+        # None: whether torch.compile built a graph in this process (it may run in the work)
+        self.compiled = compile_used() if compiled is None else compiled
 
     def __enter__(self) -> PeakMemoryMeter:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
+        elif self.compiled:
+            self._profiler = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+            )
+            self._profiler.__enter__()
         else:
             self._tracker = _step_mem_tracker()
             self._tracker.__enter__()
@@ -78,6 +90,15 @@ class PeakMemoryMeter:
                 peak, "CUDA caching allocator peak (max_memory_allocated)", {}
             )
             return
+        if self._profiler is not None:
+            self._profiler.__exit__(*exc)
+            self.report = MemoryReport(
+                _allocator_peak(self._profiler),
+                "CPU allocator's running total (torch profiler, profile_memory), peak above the "
+                "start: compiled code runs under no dispatch-mode tracker",
+                {},
+            )
+            return
         self._tracker.__exit__(*exc)
         snapshot = self._tracker.get_tracker_snapshot("peak").get(self.device, {})
         categories = {
@@ -86,6 +107,19 @@ class PeakMemoryMeter:
         dynamic = sum(v for k, v in categories.items() if k not in _STATIC_CATEGORIES)
         method = "torch MemTracker (dispatch-based) peak of activations + temporaries"
         self.report = MemoryReport(dynamic, method, categories)
+
+
+def _allocator_peak(profiler: torch.profiler.profile) -> int:
+    """The largest running total of CPU bytes allocated since the profiler started (each
+    allocation event carries the allocator's total, which starts at 0 with the profile)."""
+    peak, stack = 0, list(profiler.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        fields = node.extra_fields
+        if type(fields).__name__ == "_ExtraFields_Allocation" and fields.device.type == "cpu":
+            peak = max(peak, fields.total_allocated)
+        stack.extend(node.children)
+    return peak
 
 
 class _ModuleTensors:

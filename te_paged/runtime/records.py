@@ -70,9 +70,20 @@ class StepRecord:
     # Saved tensors this rank's managers kept unpaged in attempt 1, their backward following
     # their forward at once (skip_immediate_backward); 0 in the capture step, which learns them.
     stashes_skipped: int = 0
+    # Why this rank's managers paged nothing in the step although stashing was on and scopes
+    # opened with grad enabled (PagedStashManager.paged_nothing: an outer saved-tensor hooks
+    # context, compiled code that saved nothing through te_paged, unmarked producers); None
+    # when they paged (or opened no such scope).
+    paged_nothing: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
+def paged_nothing(managers) -> str | None:
+    """The first of ``managers`` that paged nothing in the step: its cause (each says it once,
+    at WARNING; see ``PagedStashManager.paged_nothing``), or None."""
+    return next((c for c in (m.paged_nothing() for m in managers) if c is not None), None)
 
 
 class StepDesyncError(RuntimeError):

@@ -90,6 +90,7 @@ from te_paged.runtime.records import (
     PoolLimitError,
     StepDesyncError,
     StepRecord,
+    paged_nothing,
 )
 from te_paged.runtime.reduction import StepReduction, _RankStats
 from te_paged.runtime.reporting import Reporting
@@ -380,6 +381,7 @@ class PagedStashRunner(StepReduction, PoolSizing, BudgetSizing, Reporting):
                 self._log(logging.INFO, self._spill_message(record, flag_ranks[2], len(per_rank)))
         record.bytes_sent = self._bytes_sent()
         record.stashes_skipped = sum(m.stashes_skipped for m in self.managers)
+        record.paged_nothing = paged_nothing(self.managers)
         if self.record_routing:
             self._gather_routing()
         self.step_index += 1

@@ -38,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import sys
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -58,6 +57,7 @@ from te_paged.kernels.compiled import (
     StashPort,
     StashSite,
     TracedScope,
+    compile_used,
     pop_scope_port,
     push_scope_port,
 )
@@ -393,7 +393,7 @@ class PagedStashManager(PoolAllocation, Packing, StashReporting):
                 "use_reentrant=False around the experts), and te_paged leaves those tensors to "
                 "it; open the scopes outside such a context, or use a reentrant checkpoint"
             )
-        compiled = _compile_used()
+        compiled = compile_used()
         if self._step_scopes_traced:
             return (
                 "the scopes a compiled graph opened saved no marked tensor through "
@@ -622,13 +622,6 @@ def _note_optimizer_step(ref: weakref.ref, optimizer: object, args: object, kwar
     manager = ref()
     if manager is not None and (manager._stashes or manager._skipped):
         manager._stepped_since_reset = True
-
-
-def _compile_used() -> bool:
-    """Whether torch.compile built a graph in this process (Dynamo's own counters; read only
-    on the warning's path, and only where Dynamo is already imported)."""
-    dynamo = sys.modules.get("torch._dynamo.utils")
-    return dynamo is not None and dynamo.counters["stats"]["unique_graphs"] > 0
 
 
 def _saved_tensors_owned_outside() -> bool:

@@ -86,6 +86,7 @@ from te_paged.config.checks import require_bool, require_int, require_real
 from te_paged.integrations.megatron.runner import MegatronPagedStashRunner
 from te_paged.kernels.layout import Flag
 from te_paged.runtime import StepRecord, StepState
+from te_paged.runtime.records import paged_nothing
 from te_paged.runtime.step_state import Restorable
 from te_paged.stash import StashMode
 
@@ -373,6 +374,7 @@ class MegatronLoopAdapter:
             record.pair_capacity = wire.pair_capacity
         record.bytes_sent = engine._bytes_sent()
         record.stashes_skipped = sum(m.stashes_skipped for m in engine.managers)
+        record.paged_nothing = paged_nothing(engine.managers)
         self._rerun.close()
         self._rerun = contextlib.ExitStack()
         self._record = None

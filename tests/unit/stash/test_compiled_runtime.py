@@ -1,0 +1,270 @@
+"""The paged stash under torch.compile at run time: recompiles, a rerun, what the graphs hold,
+the tickets, and the steps that page nothing saying why (compiled and eager)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from te_paged.markers import MarkerKind, mark_grouped_tensor
+from te_paged.moe import TEGroupedMLP
+from te_paged.runtime import PagedStashRunner
+from te_paged.stash import PagedStashManager, StashMode
+
+from ..moe.harness import EXPERTS, ROWS, step_inputs
+from ..runtime.test_runner import grads, make, step_fn
+from .test_compiled import _config, assert_bitwise
+
+BACKEND = "aot_eager"
+
+
+def _stack(paged: bool, layers: int = 2, **kw):
+    cfg = _config(paged, **kw)
+    torch.manual_seed(0)
+    manager = PagedStashManager.from_config(cfg) if paged else None
+    mlps = [TEGroupedMLP(EXPERTS, cfg, manager=manager, layer_number=i + 1) for i in range(layers)]
+    return cfg, manager, mlps
+
+
+def _step(cfg, manager, forward, step: int, around=None):
+    if manager is not None:
+        manager.reset()
+    x, tokens, probs = step_inputs(cfg, step)
+    x = x.detach().to(cfg.params_dtype).requires_grad_()
+    if around is None:
+        out = forward(x, tokens, probs)
+    else:
+        with around():
+            out = forward(x, tokens, probs)
+    out.float().square().sum().backward()
+    return x.grad
+
+
+# ----------------------------------------------------------------------------- recompiles
+
+
+def test_layers_compiled_one_by_one_share_one_graph_and_keep_their_numbers() -> None:
+    """torchtitan compiles each block on its own (one code object): the layer number is read
+    when the scope opens (a StashSite), not traced, so four layers make one graph."""
+    cfg, manager, mlps = _stack(True, layers=4)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(BACKEND)
+    for mlp in mlps:
+        mlp.compile(backend=counter, fullgraph=True)
+    for step in range(3):
+        manager.reset()
+        x, tokens, probs = step_inputs(cfg, step)
+        h = x.to(cfg.params_dtype).requires_grad_()
+        for mlp in mlps:
+            h, _ = mlp(h, tokens, probs)
+        h.float().sum().backward()
+        assert [layer for layer, _, _ in manager._step_counts] == [1, 2, 3, 4]
+    assert counter.frame_count == 1
+    assert manager.stats().stashes == 4 * 4  # x, the activation's two, FC2's input: a layer
+
+
+def _compiled_experts(model, counter):
+    for layer in model:
+        layer.experts.compile(backend=counter, fullgraph=True)
+
+
+def test_a_rerun_compiles_once_and_equals_a_run_that_never_overflowed() -> None:
+    """fp32 (te_paged::grouped_mm: torch's fake kernel takes bf16 only). The capture step and
+    the paged steps share a graph, the dropless rerun (stash off: a guard) compiles one more,
+    and nothing compiles after."""
+    model, manager = make({"moe_paged_stash_buffer_size_factor_cuda": 0.2})
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(BACKEND)
+    _compiled_experts(model, counter)
+    runner = PagedStashRunner(model, manager, grow_pool=False)
+    runner.step(step_fn(model, 0))  # capture
+    frames = counter.frame_count
+    model.zero_grad()
+    _, rec = runner.step(step_fn(model, 1))
+    assert rec.stash_overflow_ranks == 1, (
+        "the overflow flag the stash kernel set was lost: did a compiled graph write the "
+        "manager's flags back over it?"
+    )
+    assert rec.attempt == 2 and not rec.enabled
+    # Each graph once more, with no stash ops (two graphs: the first layer's input needs no
+    # gradient); the rerun's memory measured without a dispatch-mode tracker.
+    assert frames == 2 and counter.frame_count == 2 * frames
+    assert rec.fallback_peak_bytes > 0 and "profiler" in rec.fallback_memory_method
+    rerun_grads = grads(model)
+
+    reference, ref_manager = make({"moe_paged_stash_buffer_size_factor_cuda": 0.2})
+    _compiled_experts(reference, CompileCounterWithBackend(BACKEND))
+    with ref_manager.disabled():
+        step_fn(reference, 1)()
+    assert all(torch.equal(a, b) for a, b in zip(rerun_grads, grads(reference)))
+
+    frames = counter.frame_count
+    runner.grow_pool = True  # step 2 overflows again, grows the pools and reruns; then paged
+    records = []
+    for step in range(2, 5):
+        model.zero_grad()
+        records.append(runner.step(step_fn(model, step))[1])
+    assert [r.attempt for r in records] == [2, 1, 1] and records[0].pool_growth
+    assert counter.frame_count == frames  # a grown pool is no graph input: nothing compiles
+    assert manager.mode is StashMode.CAPTURED and manager.stats().stashes > 0
+
+
+# ----------------------------------------------------------------------- what the graphs hold
+
+
+def test_the_graphs_hold_te_pageds_ops_and_no_host_read() -> None:
+    graphs = {}
+
+    def keep(name):
+        def compiler(gm, example_inputs):
+            graphs.setdefault(name, gm.code)
+            return gm
+
+        return compiler
+
+    backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))
+    cfg, manager, mlps = _stack(True)
+
+    def forward(h, tokens, probs):
+        for mlp in mlps:
+            h, _ = mlp(h, tokens, probs)
+        return h
+
+    torch._dynamo.reset()
+    compiled = torch.compile(forward, backend=backend, fullgraph=True)
+    for step in range(2):
+        _step(cfg, manager, compiled, step)
+    fw, bw = graphs["forward"], graphs["backward"]
+    for op in ("scope_enter", "save", "scope_exit", "flag_add"):
+        assert fw.count(f"te_paged.{op}.default") >= 2, op  # one per layer at least
+    assert fw.count("te_paged.save.default") == manager.stats().stashes
+    assert bw.count("te_paged.load.default") == manager.stats().pops
+    for read in ("_local_scalar_dense", "aten.item", "nonzero", "tolist"):
+        assert read not in fw and read not in bw, read
+
+
+# ----------------------------------------------------------------------------------- tickets
+
+
+def _open(manager, rows=ROWS):
+    manager._open_scope(rows, torch.tensor([ROWS // 2]), ROWS // 2, None, True, traced=True)
+
+
+def test_a_load_hands_out_memory_no_other_tensor_shares() -> None:
+    manager = PagedStashManager(page_size=8, skip_immediate_backward=False)
+    x = torch.randn(ROWS, 16)
+    _open(manager)
+    view = x.view_as(x)
+    t1 = manager._save_ticket(view, MarkerKind.TOKEN_ROWS)
+    t2 = manager._save_ticket(view, MarkerKind.TOKEN_ROWS)  # the same bytes: one handle
+    manager._close_scope()
+    assert manager.stats().stashes == 1
+    a = manager._load_ticket(t1.te_paged_ticket, (ROWS, 16), torch.float32)
+    b = manager._load_ticket(t2.te_paged_ticket, (ROWS, 16), torch.float32)
+    assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+    assert torch.equal(a[: ROWS // 2], x[: ROWS // 2]) and torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="loaded twice"):
+        manager._load_ticket(t1.te_paged_ticket, (ROWS, 16), torch.float32)
+
+
+def test_a_ticket_saved_outside_a_scope_or_loaded_after_reset_is_refused() -> None:
+    manager = PagedStashManager(page_size=8)
+    with pytest.raises(RuntimeError, match="out of program order"):
+        manager._save_ticket(torch.randn(ROWS, 4), MarkerKind.TOKEN_ROWS)
+    _open(manager)
+    ticket = manager._save_ticket(torch.randn(ROWS, 4), MarkerKind.TOKEN_ROWS)
+    manager._close_scope()
+    manager.reset()
+    with pytest.raises(RuntimeError, match="reset\\(\\) or release\\(\\) ran between"):
+        manager._load_ticket(ticket.te_paged_ticket, (ROWS, 4), torch.float32)
+
+
+# ------------------------------------------------------------------------------ never silent
+
+
+def _compiled_stack(paged: bool):
+    cfg, manager, mlps = _stack(paged)
+
+    def forward(h, tokens, probs):
+        for mlp in mlps:
+            h, _ = mlp(h, tokens, probs)
+        return h
+
+    torch._dynamo.reset()
+    return cfg, manager, torch.compile(forward, backend=BACKEND, fullgraph=True)
+
+
+@pytest.mark.parametrize("outer", ["save_on_cpu", "checkpoint"])
+def test_an_outer_hooks_context_owns_the_compiled_saves_and_the_step_says_so(outer, caplog):
+    """Under save_on_cpu (or a non-reentrant checkpoint around the compiled model) the outer
+    context gets what the layers saved, as in eager; the step pages nothing and says why."""
+    results = {}
+    for paged in (True, False):
+        cfg, manager, compiled = _compiled_stack(paged)
+        if outer == "checkpoint":
+
+            def forward(x, t, p, compiled=compiled):
+                return torch.utils.checkpoint.checkpoint(compiled, x, t, p, use_reentrant=False)
+
+            around = None
+        else:
+            forward, around = compiled, torch.autograd.graph.save_on_cpu
+        with caplog.at_level(logging.WARNING, logger="te_paged.stash.manager"):
+            results[paged] = [[_step(cfg, manager, forward, s, around)] for s in range(3)]
+        if paged:
+            assert "outer saved_tensors_hooks context" in manager.paged_nothing()
+            assert manager.stats().stashes == 0
+    assert_bitwise(results[True], results[False])
+    said = [r for r in caplog.records if "paged nothing" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING  # once per manager
+
+
+def test_a_compiled_region_whose_marks_no_te_paged_function_saves_is_named() -> None:
+    """A marked tensor a plain op saves inside compiled code: the compiler, not the marked
+    object, decides what is saved; te_paged's scope (eager here) pages nothing, and says that
+    torch.compile is the likely cause."""
+    manager = PagedStashManager(page_size=8)
+    w = torch.randn(16, 16, requires_grad=True)
+
+    @torch.compile(backend=BACKEND, fullgraph=True)
+    def layer(x):
+        x = x.view_as(x)
+        mark_grouped_tensor(x)
+        return (x @ w).relu()
+
+    for _ in range(2):
+        manager.reset()
+        with manager.scope(ROWS, torch.tensor([ROWS]), ROWS):
+            layer(torch.randn(ROWS, 16)).sum().backward()
+    cause = manager.paged_nothing()
+    assert "none marked" in cause and "torch.compile ran" in cause
+
+
+def test_an_eager_step_whose_producers_mark_nothing_is_named(monkeypatch) -> None:
+    monkeypatch.setattr("te_paged.stash.manager.compile_used", lambda: False)
+    manager = PagedStashManager(page_size=8)
+    lin = nn.Linear(16, 16)
+    with manager.scope(ROWS, torch.tensor([ROWS]), ROWS):
+        lin(torch.randn(ROWS, 16)).sum().backward()
+    assert "producers marked nothing" in manager.paged_nothing()
+
+
+def test_a_step_that_pages_says_nothing_and_the_record_carries_the_cause(caplog) -> None:
+    model, manager = make()
+    runner = PagedStashRunner(model, manager)
+    with caplog.at_level(logging.WARNING, logger="te_paged.stash.manager"):
+        _, rec = runner.step(step_fn(model, 0))
+        assert rec.paged_nothing is None
+        with torch.autograd.graph.save_on_cpu():
+            _, rec = runner.step(step_fn(model, 1))
+    assert "outer saved_tensors_hooks" in rec.paged_nothing
+    assert '"paged_nothing": "an outer' in rec.to_json()
+    assert sum("paged nothing" in r.getMessage() for r in caplog.records) == 1
+    model.zero_grad()
+    _, rec = runner.step(step_fn(model, 2))
+    assert rec.paged_nothing is None
