@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib.util
+import sys
 from collections.abc import Iterator
 
 __all__ = ["TimelineEvent", "nvtx_available", "nvtx_range", "range_name"]
@@ -34,6 +35,12 @@ def _nvtx():
     import nvtx
 
     return nvtx
+
+
+def _compiling() -> bool:
+    """Whether torch.compile is tracing (a range there would mark tracing, not the run)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.compiler.is_compiling()
 
 
 def nvtx_available() -> tuple[bool, str]:
@@ -50,7 +57,11 @@ def range_name(name: str, layer: int | None = None) -> str:
 @contextlib.contextmanager
 def nvtx_range(name: str, layer: int | None = None) -> Iterator[None]:
     """An NVTX range ``range_name(name, layer)`` in the domain ``te_paged`` (no-op without
-    the ``nvtx`` package)."""
+    the ``nvtx`` package; and while torch.compile traces, where Python ranges mark the tracing,
+    not the compiled code's run: te_paged's stash ops keep theirs, they run as Python)."""
+    if _compiling():
+        yield
+        return
     nvtx = _nvtx()
     if nvtx is None:
         yield

@@ -49,6 +49,7 @@ write into an op's output in place.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 import weakref
 from typing import Any
 
@@ -60,9 +61,11 @@ from torch._opaque_base import OpaqueBase
 from te_paged.markers import MarkerKind, grouped_tensor_marker, mark_grouped_tensor
 
 __all__ = [
+    "HostCall",
     "StashPort",
     "StashSite",
     "compile_used",
+    "host_call",
     "open_scope_port",
     "paged_product",
     "save_for_backward",
@@ -99,8 +102,20 @@ class StashSite(OpaqueBase):
         return self._layer if owner is None else getattr(owner, "layer_number", None)
 
 
+class HostCall(OpaqueBase):
+    """A host-side update as a custom op argument: ``fn(tensor or None, *ints)`` run when the
+    op runs (``te_paged::host_call``). For counters kept on the host (an all-to-all's bytes) that
+    a traced region must not turn into guarded constants: an int Dynamo reads and changes
+    would be guarded on, and every step would compile again."""
+
+    def __init__(self, fn: Callable[..., None]) -> None:
+        self.fn = fn
+
+
 register_opaque_type(StashPort, typ="reference")
 register_opaque_type(StashSite, typ="reference")
+register_opaque_type(HostCall, typ="reference")
+_CALL = f"{HostCall.__module__}.{HostCall.__qualname__}"
 _PORT = f"{StashPort.__module__}.{StashPort.__qualname__}"
 _SITE = f"{StashSite.__module__}.{StashSite.__qualname__}"
 
@@ -115,6 +130,7 @@ _LIB.define(
     f"load(Tensor ticket, {_PORT} port, SymInt[] shape, ScalarType dtype, Device device) -> Tensor"
 )
 _LIB.define(f"flag_add(Tensor value, {_PORT} port, int flag) -> Tensor")
+_LIB.define(f"host_call(Tensor? t, {_CALL} call, int[] args) -> Tensor")
 
 
 def _done() -> torch.Tensor:
@@ -151,12 +167,18 @@ def _flag_add(value, port, flag) -> torch.Tensor:
     return _done()
 
 
+def _host_call(t, call, args) -> torch.Tensor:
+    call.fn(t, *args)
+    return _done()
+
+
 for _name, _fn in (
     ("scope_enter", _scope_enter),
     ("scope_exit", _scope_exit),
     ("save", _save),
     ("load", _load),
     ("flag_add", _flag_add),
+    ("host_call", _host_call),
 ):
     _LIB.impl(_name, _fn, "CompositeExplicitAutograd")
     torch.library._register_effectful_op(f"te_paged::{_name}", EffectType.ORDERED)
@@ -185,6 +207,20 @@ def _(ticket, port, shape, dtype, device) -> torch.Tensor:
 @torch.library.register_fake("te_paged::flag_add")
 def _(value, port, flag) -> torch.Tensor:
     return _done()
+
+
+@torch.library.register_fake("te_paged::host_call")
+def _(t, call, args) -> torch.Tensor:
+    return _done()
+
+
+def host_call(call: HostCall, t: torch.Tensor | None, *args: int) -> None:
+    """``call.fn(t, *args)``: now in eager; under torch.compile an op of the graph, run in
+    program order when the graph runs."""
+    if torch.compiler.is_compiling():
+        torch.ops.te_paged.host_call(t, call, list(args))
+    else:
+        call.fn(t, *args)
 
 
 # The ports of the scopes open now, innermost last: an eager scope pushes its manager's port

@@ -54,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -63,6 +64,7 @@ from torch import nn
 from te_paged.config import MoEConfig
 from te_paged.config.budget import rank_rows, round_up, split_rows
 from te_paged.config.checks import require_real
+from te_paged.kernels.compiled import HostCall, host_call
 from te_paged.moe.config_adapter import as_moe_config
 
 __all__ = ["DispatchHandle", "StaticBudgetDispatcher", "static_budget"]
@@ -107,6 +109,40 @@ def static_budget(
     else:
         rows = rank_budget(num_tokens, factor)
     return split_rows(rows, ep_size, block)
+
+
+@torch.compiler.assume_constant_result
+def _static_sizes(
+    config: MoEConfig,
+    num_tokens: int,
+    ep_size: int,
+    rank_budget: RankBudget | None,
+    capacity_factor: float,
+    a2a_capacity_factor: float,
+    single: bool,
+) -> tuple[int, int]:
+    """``(max_num_tokens, C)`` of a static dispatch (see the module docstring): the expert
+    buffer, and the wire's pair capacity, at most the buffer's pair share (one rank: the
+    buffer's). Exact decimal arithmetic (``Fraction``, which Dynamo does not trace): a constant
+    of the graph, evaluated once per traced shape and factors."""
+    rows, expert_pair = static_budget(
+        config, num_tokens, ep_size, rank_budget, capacity_factor=capacity_factor
+    )
+    if single:
+        return rows, expert_pair
+    wire = static_budget(config, num_tokens, ep_size, capacity_factor=a2a_capacity_factor)[1]
+    return rows, min(wire, expert_pair)
+
+
+def _traffic_counter(dispatcher: StaticBudgetDispatcher):
+    """``dispatcher._add_traffic``, holding the dispatcher weakly (the op argument outlives no
+    module)."""
+    ref = weakref.ref(dispatcher)
+
+    def add(routed: torch.Tensor | None, sent: int, row_bytes: int) -> None:
+        ref()._add_traffic(routed, sent, row_bytes)
+
+    return add
 
 
 def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -227,6 +263,7 @@ class StaticBudgetDispatcher(nn.Module):
         self.wire_auto = auto and capacity_factor is not None
         #: Bytes this rank handed the all-to-all since :meth:`reset_traffic` (host int).
         self.bytes_sent = 0
+        self._counting = HostCall(_traffic_counter(self))
         self.ep_size = 1 if ep_group is None else dist.get_world_size(ep_group)
         self.ep_rank = 0 if ep_group is None else dist.get_rank(ep_group)
         experts, cfg_ep = cfg.num_moe_experts, cfg.expert_model_parallel_size
@@ -317,10 +354,16 @@ class StaticBudgetDispatcher(nn.Module):
 
     def _count(self, t: torch.Tensor, routed: torch.Tensor | None) -> None:
         """One exchange of ``t``: its bytes sent, and ``routed`` rows of it for the dropless
-        reference (``None``: metadata, which a dropless exchange has no rows of)."""
-        self.bytes_sent += t.numel() * t.element_size()
+        reference (``None``: metadata, which a dropless exchange has no rows of). Under
+        torch.compile both counts are one op of the graph (a host int Dynamo changed would be
+        a guard, and the device counter a graph value written back at the graph's end)."""
+        row_bytes = 0 if routed is None else math.prod(t.shape[1:]) * t.element_size()
+        host_call(self._counting, routed, t.numel() * t.element_size(), row_bytes)
+
+    def _add_traffic(self, routed: torch.Tensor | None, sent: int, row_bytes: int) -> None:
+        """``_count``'s update: ``sent`` bytes, and ``routed`` rows of ``row_bytes`` each."""
+        self.bytes_sent += sent
         if routed is not None:
-            row_bytes = math.prod(t.shape[1:]) * t.element_size()
             self.dropless_bytes.add_(routed * row_bytes)
 
     def wire_capacity(self, num_tokens: int) -> int:
@@ -329,14 +372,10 @@ class StaticBudgetDispatcher(nn.Module):
         rank has no wire: its budget is the expert buffer."""
         if self._a2a is None:
             raise ValueError("a dispatcher without a capacity factor has no wire budget")
-        expert_pair = static_budget(
-            self.config, num_tokens, self.ep_size, self.rank_budget,
-            capacity_factor=self._capacity_factor,
+        return _static_sizes(
+            self.config, num_tokens, self.ep_size, self.rank_budget, self._capacity_factor,
+            self._a2a, self.group is None or self.ep_size == 1,
         )[1]  # fmt: skip
-        if self.group is None or self.ep_size == 1:
-            return expert_pair
-        wire = static_budget(self.config, num_tokens, self.ep_size, capacity_factor=self._a2a)[1]
-        return min(wire, expert_pair)
 
     def fitting_capacity_factor(
         self, num_tokens: int, peak_pair_tokens: int, *, expert_buffer: bool = False
@@ -448,10 +487,11 @@ class StaticBudgetDispatcher(nn.Module):
         if dropless:
             cap = self._dropless_capacity(demand_P)
         else:
-            self.budget_tokens = static_budget(
-                self.config, n, p, self.rank_budget, capacity_factor=self._capacity_factor
-            )[0]
-            cap = self.pair_capacity = self.wire_capacity(n)
+            self.budget_tokens, cap = _static_sizes(
+                self.config, n, p, self.rank_budget, self._capacity_factor, self._a2a,
+                self.group is None or p == 1,
+            )  # fmt: skip
+            self.pair_capacity = cap
         self.last_num_tokens = n
         rows = p * cap
         routed = a - unsent_A.sum()  # what a dropless, variable-split exchange would send

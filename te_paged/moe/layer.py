@@ -153,7 +153,9 @@ class MoELayer(nn.Module, PagedStashParticipant):
             raise ValueError(f"x must be [..., {hidden}], got {tuple(x.shape)}")
         x_NH = x.reshape(-1, hidden)
         routing = self.router(x_NH)
-        layer = self.layer_number
+        # The ranges' layer number: not while torch.compile traces (no ranges there; reading
+        # it would make it a guard, one graph per layer).
+        layer = None if torch.compiler.is_compiling() else self.layer_number
         with nvtx_range("te_paged.dispatch", layer):
             permuted_TH, tokens_per_expert_L, probs_T, handle = self.dispatcher.dispatch(
                 x_NH, routing.probs, routing.indices

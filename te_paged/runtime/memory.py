@@ -4,10 +4,10 @@
 * CUDA: the caching allocator's statistics (``max_memory_allocated`` after
   ``reset_peak_memory_stats``, minus what was allocated before).
 * CPU: torch's dispatch-based ``MemTracker`` (``torch.distributed._tools.mem_tracker``), which
-  sees every storage allocated while the work runs and reports the peak by category. Where
-  torch.compile has built a graph in the process, compiled code refuses to run under a
-  dispatch mode: the CPU figure is then the CPU allocator's own running total as the
-  profiler records it (``profile_memory=True``): its peak above the work's start, as on CUDA.
+  sees every storage allocated while the work runs and reports the peak by category. For work
+  that runs torch.compile'd code (``compiled=True``), which refuses to run under a dispatch
+  mode, the CPU figure is the CPU allocator's own running total as the profiler records it
+  (``profile_memory=True``): its peak above the work's start, as on CUDA.
 
 Either way the figure is the peak of the memory the work itself holds: on CUDA everything
 allocated before it (parameters, existing gradients, a stash pool allocated at the step boundary)
@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-from te_paged.kernels.compiled import compile_used
 from te_paged.runtime.pool_plan import capacity_model_saving, reload_adjusted_saving
 
 __all__ = [
@@ -54,14 +53,13 @@ class PeakMemoryMeter:
     (e.g. a step rerun after an overflow); the peak carries over.
     """
 
-    def __init__(self, device: torch.device | str, *, compiled: bool | None = None) -> None:
+    def __init__(self, device: torch.device | str, *, compiled: bool = False) -> None:
         self.device = torch.device(device)
         self.report: MemoryReport | None = None
         self._tracker = None
         self._profiler = None
         self._base = 0
-        # None: whether torch.compile built a graph in this process (it may run in the work)
-        self.compiled = compile_used() if compiled is None else compiled
+        self.compiled = compiled  # the work runs compiled code: no dispatch-mode tracker
 
     def __enter__(self) -> PeakMemoryMeter:
         if self.device.type == "cuda":
@@ -165,8 +163,11 @@ def _step_mem_tracker():
     return StepMemTracker()
 
 
-def measure_peak(fn: Callable[[], Any], device: torch.device | str) -> tuple[Any, MemoryReport]:
-    """Run ``fn`` and return its result and the peak bytes it held on ``device``."""
-    with PeakMemoryMeter(device) as meter:
+def measure_peak(
+    fn: Callable[[], Any], device: torch.device | str, *, compiled: bool = False
+) -> tuple[Any, MemoryReport]:
+    """Run ``fn`` and return its result and the peak bytes it held on ``device`` (``compiled``:
+    as :class:`PeakMemoryMeter`'s)."""
+    with PeakMemoryMeter(device, compiled=compiled) as meter:
         result = fn()
     return result, meter.report

@@ -119,7 +119,7 @@ class PagedStashRunner(StepReduction, PoolSizing, BudgetSizing, Reporting):
     ``PagedStashRunner(model, manager=None, *, group=None, max_consecutive_fallbacks=3,
     grow_pool=True, grow_headroom=1.10, per_rank_pools=False, max_pool_bytes=None,
     grow_capacity=True, capacity_headroom=1.10, max_capacity_factor=None, auto_wire_steps=8,
-    measure_fallback_memory=True, record_routing=False, before_rerun=None)``.
+    measure_fallback_memory=True, record_routing=False, before_rerun=None, compiled=None)``.
     ``model`` (a module or a list of model chunks) is searched for
     :class:`~te_paged.moe.participant.PagedStashParticipant` modules: their stash managers and
     static-budget dispatchers are what the runner resets, reads and switches; ``manager`` adds
@@ -132,6 +132,8 @@ class PagedStashRunner(StepReduction, PoolSizing, BudgetSizing, Reporting):
     timeout); past it, :class:`StepDesyncError`. Before a rerun the runner also puts back the
     model's buffers, FP8 metas and :class:`~te_paged.runtime.step_state.Restorable` modules;
     ``restorables`` adds objects outside the model (see :mod:`te_paged.runtime.step_state`).
+    ``compiled`` (default: found in the model, see :meth:`compiled`) says the step runs
+    torch.compile'd code, which changes how a rerun runs and is measured.
 
     Pool sizing (docs/choosing-factors.md): with ``grow_pool`` (the default) every pool keeps
     at least the largest need seen times ``grow_headroom`` (routing varies from step to step):
@@ -178,8 +180,12 @@ class PagedStashRunner(StepReduction, PoolSizing, BudgetSizing, Reporting):
         on_record: Callable[[StepRecord], None] | None = None,
         timeout: datetime.timedelta | None = None,
         restorables: Iterable[object] = (),
+        compiled: bool | None = None,
     ) -> None:
         require_int("keep_records", keep_records, minimum=0)
+        if compiled is not None:
+            require_bool("compiled", compiled)
+        self._compiled = compiled
         require_bool("grow_pool", grow_pool)
         self.grow_headroom = require_real("grow_headroom", grow_headroom, 1.0)
         require_bool("per_rank_pools", per_rank_pools)
@@ -493,11 +499,15 @@ class PagedStashRunner(StepReduction, PoolSizing, BudgetSizing, Reporting):
         per_rank: list[_RankStats],
     ) -> Any:  # fmt: skip
         self._prepare_rerun(state, record, per_rank)
+        compiled = self.compiled()
         with contextlib.ExitStack() as fallback:
-            self._enter_fallback(fallback)
+            self._enter_fallback(fallback, dropless=not compiled or bool(record.overbudget_ranks))
+            if compiled and record.overbudget_ranks:
+                # Dropless rows are data-dependent (read on the host): not a static graph.
+                fallback.enter_context(torch.compiler.set_stance("force_eager"))
             if self.before_rerun is not None:
                 self.before_rerun()
-            result, peak, method = self._measured(step_fn)
+            result, peak, method = self._measured(step_fn, compiled)
         self.size_receive_after_rerun(record)
         record.attempt = 2
         record.enabled = False
@@ -535,13 +545,32 @@ class PagedStashRunner(StepReduction, PoolSizing, BudgetSizing, Reporting):
             manager.release()  # the pool and the dropless rerun never coexist
         self._route_calls.clear()  # the rerun routes the same tokens again: count them once
 
-    def _enter_fallback(self, stack: contextlib.ExitStack) -> None:
+    def _enter_fallback(self, stack: contextlib.ExitStack, dropless: bool = True) -> None:
         """The rerun's switches, each its owner's: every manager off, every dispatcher
-        dropless, until ``stack`` closes."""
+        dropless (unless ``dropless`` is False), until ``stack`` closes."""
         for manager in self.managers:
             stack.enter_context(manager.disabled())
-        for d in self.dispatchers:
+        for d in self.dispatchers if dropless else ():
             stack.enter_context(d.dropless_block())
+
+    def compiled(self) -> bool:
+        """Whether the model runs compiled code: a module of it compiled with
+        ``nn.Module.compile`` (torchtitan's blocks), wrapped by ``torch.compile``, or the
+        runner told so (``compiled=True``). Under compile a rerun after a stash overflow alone
+        keeps the static budget (nothing was dropped; a static rerun equals the dropless one
+        bit for bit) and so runs the compiled graph with the stash off, the very graph of a
+        run that never paged; an over-budget rerun is dropless, whose rows are read on the
+        host, and runs eagerly (``torch.compiler.set_stance("force_eager")``). The rerun's
+        memory is then measured without a dispatch-mode tracker
+        (:class:`~te_paged.runtime.memory.PeakMemoryMeter`)."""
+        if self._compiled is not None:
+            return self._compiled
+        return any(
+            getattr(m, "_compiled_call_impl", None) is not None
+            or type(m).__name__ == "OptimizedModule"
+            for chunk in self.chunks
+            for m in chunk.modules()
+        )
 
     # ------------------------------------------------------------------------------ routing
 
@@ -588,8 +617,10 @@ class PagedStashRunner(StepReduction, PoolSizing, BudgetSizing, Reporting):
             tokens_by_source=torch.cat(self._routing).tolist(),
         )
 
-    def _measured(self, step_fn: Callable[[], Any]) -> tuple[Any, int | None, str | None]:
+    def _measured(
+        self, step_fn: Callable[[], Any], compiled: bool
+    ) -> tuple[Any, int | None, str | None]:
         if not self.measure_fallback_memory:
             return step_fn(), None, None
-        result, report = measure_peak(step_fn, self._device())
+        result, report = measure_peak(step_fn, self._device(), compiled=compiled)
         return result, report.peak_bytes, report.method
