@@ -49,8 +49,8 @@ write into an op's output in place.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
