@@ -258,6 +258,17 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
         "only; needs --pipeline-parallel > 1)",
     )
     e.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        choices=COMPILE_BACKENDS,
+        metavar="BACKEND",
+        help="torch.compile every MoE block (torchtitan: its compile.enable, each "
+        "TransformerBlock) with fullgraph=True, ON and OFF alike: "
+        f"{' or '.join(COMPILE_BACKENDS)} (the flag alone: inductor; default and torchtitan "
+        "engines; memory then from the allocator's running total, docs/configuration.md)",
+    )
+    e.add_argument(
         "--activation-checkpoint",
         choices=["selective", "full"],
         help="torchtitan's activation checkpointing: per-op selective (SelectiveAC) or full "
@@ -282,6 +293,9 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
         "layers serving its calls; megatron-core 0.19.2; megatron only)",
     )
 
+
+#: torch.compile backends ``ab --compile`` takes.
+COMPILE_BACKENDS = ("inductor", "aot_eager")
 
 #: The built-in choices where torch (and so the registries) cannot be imported: the parser
 #: still builds, for the commands that need no torch (tests hold them to the registries).

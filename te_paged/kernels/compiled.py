@@ -1,5 +1,5 @@
 """The paged stash under ``torch.compile``: te_paged's autograd functions page their own saved
-tensors through five ``torch.library`` ops, so that compiled and eager page the same tensors.
+tensors through ``torch.library`` ops, so that compiled and eager page the same tensors.
 
 Why not the saved-tensor hooks eager uses: Dynamo turns ambient ``saved_tensors_hooks`` off
 while it traces (pytorch#123196), and what a compiled region saves are the partitioner's
@@ -15,14 +15,19 @@ compile the producers page explicitly:
     which returns a *ticket* (an int64 ``[1]`` tensor on the CPU) saved in its place, and
     backward's ``te_paged::load`` turns the ticket back into the tensor.
 
-The ops (all ordered effects: AOTAutograd threads them on a token, so they run in program
-order and are never dropped, reordered or recomputed by the partitioner)::
+The ops (effectful: never dropped, never recomputed by the partitioner)::
 
-    scope_enter(num_tokens, port, site, max_num_tokens, avg_num_tokens, grad_enabled)
-    scope_exit(port)
-    save(t, port, tokens_per_row) -> ticket             # forward
+    scope_enter(num_tokens, port, site, layer, max_num_tokens, avg_num_tokens, grad_enabled)
+        -> scope                                          # the scope's id (int64 [1], CPU)
+    save(t, scope, port, tokens_per_row) -> ticket      # forward, inside that scope
     load(ticket, port, shape, dtype, device) -> tensor  # backward
     flag_add(value, port, flag)                         # a count into the manager's flags
+    host_call(t, call, args)                            # a host-side counter (HostCall)
+
+Their order is carried by data, not by program order: a save takes its scope's id, a load its
+ticket. Inductor does not keep effectful ops in program order (it ran a scope's exit before
+its saves, and an op with no output before them all), so nothing here relies on it: a traced
+scope is never closed, the manager keeps it by id until ``reset()``.
 
 ``port`` is the manager as an opaque *reference* object (:class:`StashPort`, torch's Note
 [Opaque Objects]): a graph input the compiler never looks into. Each op's body runs, at run
@@ -124,8 +129,7 @@ _LIB.define(
     f"scope_enter(Tensor num_tokens, {_PORT} port, {_SITE} site, int layer, "
     "int max_num_tokens, int avg_num_tokens, bool grad_enabled) -> Tensor"
 )
-_LIB.define(f"scope_exit({_PORT} port) -> Tensor")
-_LIB.define(f"save(Tensor t, {_PORT} port, int tokens_per_row) -> Tensor")
+_LIB.define(f"save(Tensor t, Tensor? scope, {_PORT} port, int tokens_per_row) -> Tensor")
 _LIB.define(
     f"load(Tensor ticket, {_PORT} port, SymInt[] shape, ScalarType dtype, Device device) -> Tensor"
 )
@@ -134,32 +138,41 @@ _LIB.define(f"host_call(Tensor? t, {_CALL} call, int[] args) -> Tensor")
 
 
 def _done() -> torch.Tensor:
-    """What the ops that only act return: Inductor orders effectful ops by the buffers they
-    produce, and an op with no output drops out of that chain (it ran after the saves of its
-    own scope)."""
+    """What the ops that only act return: an effectful op with no output is dropped from
+    Inductor's effect chain (it ran after ops that followed it)."""
     return torch.empty(0, dtype=torch.int64)
 
 
 def _scope_enter(num_tokens, port, site, layer, max_num_tokens, avg_num_tokens, grad_enabled):
-    port.manager._open_scope(
+    sid = port.manager._open_traced_scope(
         max_num_tokens, num_tokens, avg_num_tokens, site.layer if layer < 0 else layer,
-        grad_enabled, traced=True,
+        grad_enabled,
     )  # fmt: skip
-    return _done()
+    return _number(sid, "te_paged_scope")
 
 
-def _scope_exit(port) -> torch.Tensor:
-    port.manager._close_scope()
-    return _done()
+def _number(n: int, attr: str) -> torch.Tensor:
+    """``n`` as an int64 ``[1]`` CPU tensor, and as an attribute of that tensor object, which
+    autograd or the graph hands to the op that reads it: no host read of the tensor (an
+    outer hook may have copied it, then the value is read)."""
+    out = torch.tensor([n], dtype=torch.int64)
+    setattr(out, attr, n)
+    return out
 
 
-def _save(t, port, tokens_per_row) -> torch.Tensor:
-    return port.manager._save_ticket(t, MarkerKind(tokens_per_row))
+def _read(t: torch.Tensor, attr: str) -> int:
+    n = getattr(t, attr, None)
+    return int(t[0]) if n is None else n
+
+
+def _save(t, scope, port, tokens_per_row) -> torch.Tensor:
+    sid = None if scope is None else _read(scope, "te_paged_scope")
+    tid = port.manager._save_ticket(t, MarkerKind(tokens_per_row), sid)
+    return _number(tid, "te_paged_ticket")
 
 
 def _load(ticket, port, shape, dtype, device) -> torch.Tensor:
-    tid = getattr(ticket, "te_paged_ticket", None)
-    return port.manager._load_ticket(int(ticket[0]) if tid is None else tid, tuple(shape), dtype)
+    return port.manager._load_ticket(_read(ticket, "te_paged_ticket"), tuple(shape), dtype)
 
 
 def _flag_add(value, port, flag) -> torch.Tensor:
@@ -174,7 +187,6 @@ def _host_call(t, call, args) -> torch.Tensor:
 
 for _name, _fn in (
     ("scope_enter", _scope_enter),
-    ("scope_exit", _scope_exit),
     ("save", _save),
     ("load", _load),
     ("flag_add", _flag_add),
@@ -186,16 +198,11 @@ for _name, _fn in (
 
 @torch.library.register_fake("te_paged::scope_enter")
 def _(num_tokens, port, site, layer, max_num_tokens, avg_num_tokens, grad_enabled):
-    return _done()
-
-
-@torch.library.register_fake("te_paged::scope_exit")
-def _(port) -> torch.Tensor:
-    return _done()
+    return torch.empty(1, dtype=torch.int64, device="cpu")
 
 
 @torch.library.register_fake("te_paged::save")
-def _(t, port, tokens_per_row) -> torch.Tensor:
+def _(t, scope, port, tokens_per_row) -> torch.Tensor:
     return torch.empty(1, dtype=torch.int64, device="cpu")
 
 
@@ -223,13 +230,14 @@ def host_call(call: HostCall, t: torch.Tensor | None, *args: int) -> None:
         call.fn(t, *args)
 
 
-# The ports of the scopes open now, innermost last: an eager scope pushes its manager's port
-# while its hooks are installed, a traced scope while Dynamo traces its block. What Dynamo
-# reads here at trace time decides whether a function it traces pages its saved tensors; it
-# guards on it, so a function compiled outside any scope and later called inside one compiles
-# again (once). Process-wide like torch's own saved-tensor hooks stack, and for the same reason:
-# the autograd functions that consult it are not handed the manager.
-_OPEN: list[StashPort] = []
+# The scopes open now, innermost last, as ``(port, scope id tensor or None)``: an eager scope
+# pushes its manager's port while its hooks are installed (no id: the manager's open scope), a
+# traced scope its port and the id ``te_paged::scope_enter`` returned, while Dynamo traces its
+# block. What Dynamo reads here at trace time decides whether a function it traces pages its
+# saved tensors; it guards on it, so a function compiled outside any scope and later called
+# inside one compiles again (once). Process-wide like torch's own saved-tensor hooks stack,
+# and for the same reason: the autograd functions that consult it are not handed the manager.
+_OPEN: list[tuple[StashPort, torch.Tensor | None]] = []
 
 
 def compile_used() -> bool:
@@ -241,13 +249,13 @@ def compile_used() -> bool:
 
 def open_scope_port() -> StashPort | None:
     """The port of the innermost open scope (eager or traced), or None."""
-    return _OPEN[-1] if _OPEN else None
+    return _OPEN[-1][0] if _OPEN else None
 
 
 def push_scope_port(port: StashPort) -> None:
     """An eager scope opened (its hooks installed): functions traced inside it page through
     ``port``. Paired with :func:`pop_scope_port`."""
-    _OPEN.append(port)
+    _OPEN.append((port, None))
 
 
 def pop_scope_port() -> None:
@@ -255,9 +263,10 @@ def pop_scope_port() -> None:
 
 
 class TracedScope:
-    """``manager.scope(...)`` while Dynamo traces: the scope opens and closes at run time, in
-    program order (``te_paged::scope_enter`` / ``scope_exit``), and the functions traced
-    inside it page their marked saved tensors (:func:`save_for_backward`)."""
+    """``manager.scope(...)`` while Dynamo traces: the scope opens at run time
+    (``te_paged::scope_enter``, which returns its id), and the functions traced inside the
+    block page their marked saved tensors into it (:func:`save_for_backward`: each save takes
+    the id, so it runs after the scope opened whatever order the compiler picks)."""
 
     def __init__(self, port: StashPort, site: StashSite, max_num_tokens: int,
                  num_tokens: torch.Tensor, avg_num_tokens: int, layer: int) -> None:  # fmt: skip
@@ -266,22 +275,21 @@ class TracedScope:
         self.avg_num_tokens = avg_num_tokens
 
     def __enter__(self) -> None:
-        torch.ops.te_paged.scope_enter(
+        sid = torch.ops.te_paged.scope_enter(
             self.num_tokens, self.port, self.site, self.layer, self.max_num_tokens,
             self.avg_num_tokens, torch.is_grad_enabled(),
         )  # fmt: skip
-        _OPEN.append(self.port)
+        _OPEN.append((self.port, sid))
 
     def __exit__(self, *exc: object) -> bool:
         _OPEN.pop()
-        torch.ops.te_paged.scope_exit(self.port)
         return False
 
 
 def save_for_backward(ctx: Any, *tensors: torch.Tensor | None) -> None:
     """``ctx.save_for_backward(*tensors)`` that pages the marked ones under ``torch.compile``
     too (see the module docstring); read them back with :func:`saved_tensors`."""
-    port = _OPEN[-1] if _OPEN and torch.compiler.is_compiling() else None
+    port, sid = _OPEN[-1] if _OPEN and torch.compiler.is_compiling() else (None, None)
     # A stand-in ctx of a fused function (te_paged.moe.fused_mlp) only collects: the fused
     # function pages what it keeps of them, once.
     if port is None or getattr(ctx, "defer_paging", False) or not any(ctx.needs_input_grad):
@@ -294,7 +302,7 @@ def save_for_backward(ctx: Any, *tensors: torch.Tensor | None) -> None:
             saved.append(t)
             loads.append(None)
             continue
-        saved.append(torch.ops.te_paged.save(t, port, kind.tokens_per_row))
+        saved.append(torch.ops.te_paged.save(t, sid, port, kind.tokens_per_row))
         loads.append((tuple(t.shape), t.dtype, t.device))
     ctx.te_paged_loads = (port, tuple(loads))
     ctx.save_for_backward(*saved)

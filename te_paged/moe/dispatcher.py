@@ -113,24 +113,32 @@ def static_budget(
 
 @torch.compiler.assume_constant_result
 def _static_sizes(
-    config: MoEConfig,
+    topk: int,
+    block: int,
     num_tokens: int,
     ep_size: int,
     rank_budget: RankBudget | None,
-    capacity_factor: float,
-    a2a_capacity_factor: float,
+    capacity_factor: str,
+    a2a_capacity_factor: str,
     single: bool,
 ) -> tuple[int, int]:
     """``(max_num_tokens, C)`` of a static dispatch (see the module docstring): the expert
     buffer, and the wire's pair capacity, at most the buffer's pair share (one rank: the
     buffer's). Exact decimal arithmetic (``Fraction``, which Dynamo does not trace): a constant
-    of the graph, evaluated once per traced shape and factors."""
-    rows, expert_pair = static_budget(
-        config, num_tokens, ep_size, rank_budget, capacity_factor=capacity_factor
+    of the graph, evaluated once per traced shape and factors (a wire the runner resizes
+    compiles again: its exchanges change shape). Plain values only (Dynamo guards an object
+    argument on its identity: one config per layer would be one graph per layer); the factors
+    as decimal text (a float that changed between compiles becomes a symbolic input)."""
+    cf, a2a = float(capacity_factor), float(a2a_capacity_factor)
+    rows = (
+        rank_rows(num_tokens, topk, cf, block)
+        if rank_budget is None
+        else rank_budget(num_tokens, cf)
     )
+    rows, expert_pair = split_rows(rows, ep_size, block)
     if single:
         return rows, expert_pair
-    wire = static_budget(config, num_tokens, ep_size, capacity_factor=a2a_capacity_factor)[1]
+    wire = split_rows(rank_rows(num_tokens, topk, a2a, block), ep_size, block)[1]
     return rows, min(wire, expert_pair)
 
 
@@ -254,6 +262,9 @@ class StaticBudgetDispatcher(nn.Module):
         if a2a_capacity_factor is FROM_CONFIG:
             a2a_capacity_factor = cfg.moe_a2a_capacity_factor
         self._a2a: float | None = None
+        # The factors as their decimal text, what a traced dispatch reads: Dynamo makes a
+        # float that changed between compiles a symbolic input, a string it keeps constant.
+        self._factor_text: tuple[str, str] | None = None
         auto = a2a_capacity_factor is None
         if capacity_factor is not None:
             self.set_a2a_capacity_factor(capacity_factor if auto else a2a_capacity_factor)
@@ -315,6 +326,7 @@ class StaticBudgetDispatcher(nn.Module):
                 f"{self._capacity_factor}: the received rows must fit the expert buffer"
             )
         self._a2a = factor
+        self._factor_text = (repr(self._capacity_factor), repr(factor))
         self.wire_auto = False
 
     @property
@@ -372,10 +384,15 @@ class StaticBudgetDispatcher(nn.Module):
         rank has no wire: its budget is the expert buffer."""
         if self._a2a is None:
             raise ValueError("a dispatcher without a capacity factor has no wire budget")
+        return self._sizes(num_tokens)[1]
+
+    def _sizes(self, num_tokens: int) -> tuple[int, int]:
+        """``(max_num_tokens, C)`` of a static dispatch of ``num_tokens`` local tokens."""
+        cfg = self.config
         return _static_sizes(
-            self.config, num_tokens, self.ep_size, self.rank_budget, self._capacity_factor,
-            self._a2a, self.group is None or self.ep_size == 1,
-        )[1]  # fmt: skip
+            cfg.moe_router_topk, cfg.budget_block, num_tokens, self.ep_size, self.rank_budget,
+            *self._factor_text, self.group is None or self.ep_size == 1,
+        )  # fmt: skip
 
     def fitting_capacity_factor(
         self, num_tokens: int, peak_pair_tokens: int, *, expert_buffer: bool = False
@@ -487,10 +504,7 @@ class StaticBudgetDispatcher(nn.Module):
         if dropless:
             cap = self._dropless_capacity(demand_P)
         else:
-            self.budget_tokens, cap = _static_sizes(
-                self.config, n, p, self.rank_budget, self._capacity_factor, self._a2a,
-                self.group is None or p == 1,
-            )  # fmt: skip
+            self.budget_tokens, cap = self._sizes(n)
             self.pair_capacity = cap
         self.last_num_tokens = n
         rows = p * cap

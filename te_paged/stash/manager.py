@@ -192,8 +192,9 @@ class PagedStashManager(PoolAllocation, Packing, StashReporting):
         # arguments, and the handles a compiled forward saved under tickets, until loaded.
         self._port, self._site = StashPort(self), StashSite()
         self._tickets: dict[int, object] = {}
-        self._ticket_refs: dict[int, int] = {}
         self._ticket_ids = 0
+        self._traced_scopes: dict[int, _Scope | None] = {}  # id -> scope (None: outer hooks')
+        self._traced_ids = 0
         # paged_nothing(): this step's scopes opened with grad, those an outer saved-tensor
         # hooks context owned, those a compiled graph opened, saved tensors the hooks passed
         # unmarked; and whether the warning was given.
@@ -310,7 +311,7 @@ class PagedStashManager(PoolAllocation, Packing, StashReporting):
         self._stashes = self._pops = self._capture_bytes = self._skipped = 0
         self._scopes_opened, self._pending = 0, None
         self._tickets.clear()
-        self._ticket_refs.clear()
+        self._traced_scopes.clear()
         self._step_scopes = self._step_scopes_outside = self._step_scopes_traced = 0
         self._step_unmarked = 0
         self._capture_log.clear()
@@ -363,7 +364,7 @@ class PagedStashManager(PoolAllocation, Packing, StashReporting):
             logger.debug("freed the paged-stash pools (%s)", ", ".join(map(str, self.buffers)))
         self.buffers.clear()
         self._tickets.clear()  # a compiled forward's handles whose backward never ran
-        self._ticket_refs.clear()
+        self._traced_scopes.clear()
 
     def paged_nothing(self) -> str | None:
         """Why this step (since the last ``reset()``) paged nothing, although stashing was on
@@ -566,6 +567,32 @@ class PagedStashManager(PoolAllocation, Packing, StashReporting):
 
     def _close_scope(self) -> None:
         self._scope, self._scope_owned_outside = None, False
+
+    def _open_traced_scope(
+        self,
+        max_num_tokens: int,
+        num_tokens: torch.Tensor,
+        avg_num_tokens: int,
+        layer: int | None,
+        grad_enabled: bool,
+    ) -> int:
+        """``te_paged::scope_enter``'s body: open a scope as :meth:`_open_scope` does, kept by
+        its id (what the graph's saves into it carry) until :meth:`reset`, not as the open
+        scope: a compiled graph's ops run in the order of their data, not of the program, so a
+        traced scope has no close (te_paged.kernels.compiled). An eager scope open around the
+        compiled code is left as it is."""
+        self._traced_ids += 1
+        sid = self._traced_ids
+        eager = self._scope, self._scope_owned_outside
+        self._scope, self._scope_owned_outside = None, False
+        try:
+            opened = self._open_scope(
+                max_num_tokens, num_tokens, avg_num_tokens, layer, grad_enabled, traced=True
+            )
+            self._traced_scopes[sid] = self._scope if opened else None  # None: outer hooks'
+        finally:
+            self._scope, self._scope_owned_outside = eager
+        return sid
 
     def _warn_skip_missed(self, layer: int | None) -> None:
         if self._warned_skip_missed:

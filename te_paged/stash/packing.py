@@ -145,13 +145,25 @@ class Packing:
             return t
         return self._pack_kind(t, kind, scope)
 
-    def _pack_kind(self, t: torch.Tensor, kind: MarkerKind, scope: _Scope) -> object:
-        """What autograd (or a compiled graph's ticket) keeps of ``t``, marked ``kind``."""
+    def _pack_kind(
+        self, t: torch.Tensor, kind: MarkerKind, scope: _Scope, traced: bool = False
+    ) -> object:
+        """What autograd (or, ``traced``, a compiled graph's ticket) keeps of ``t``, marked
+        ``kind``.
+
+        A compiled graph owns its buffers: once ``t`` is past its last use there (this save),
+        Inductor may hand its storage to a later tensor of the graph and write into it, with
+        no free and no version bump. So for a traced save nothing may refer to ``t`` after
+        the call: no deduplication by storage (a later tensor may wear the same address and
+        version), a kept tensor is kept as a copy, and the copy into pages runs on the
+        compute stream (a pack-stream copy would race with that write)."""
         if t.dim() == 0 or t.numel() == 0:
             return t
         if is_checkpoint_without_output_tensor(t):
             return t  # recompute owns this storage (and every view of it)
         self._check_device("a marked saved tensor", t)
+        if traced:
+            return self._pack_new(t, kind, scope, traced=True)
         # The same bytes saved again (the same tensor, or a view with its layout) while the
         # tensor paged first is alive, so its storage is: one copy serves both.
         layout = (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
@@ -162,14 +174,17 @@ class Packing:
         scope.paged[layout] = (weakref.ref(t), t._version, handle)
         return handle
 
-    def _pack_new(self, t: torch.Tensor, kind: MarkerKind, scope: _Scope) -> object:
+    def _pack_new(
+        self, t: torch.Tensor, kind: MarkerKind, scope: _Scope, traced: bool = False
+    ) -> object:
         key, max_rows = self._layout(t, kind, scope)
         self._check_step_boundary()
         if scope.skip:  # its backward comes first: nothing to gain from pages
             self._skipped += 1
             if self._pending is None:
                 self._pending = (scope.index, scope.layer)
-            return _Kept(t, scope.index)
+            return _Kept(t.clone(memory_format=torch.contiguous_format) if traced else t,
+                         scope.index)  # fmt: skip
         rows_RH = t.contiguous().view(max_rows, key.hidden).view(storage_dtype(t.dtype))
         self._stashes += 1
         if self.mode is StashMode.CAPTURE:
@@ -197,9 +212,12 @@ class Packing:
                 stash_copy(self.backend, rows_RH, scope.num_tokens, kind.tokens_per_row,
                            self.page_size, *args)  # fmt: skip
 
-        if self._streams.overlap:
+        if self._streams.overlap and not traced:
             self._stash_on_side(copy, self._tensor_ids, key, rows_RH, scope, (pages_M, meta))
         else:
+            # On the compute stream (traced: see _pack_kind), after every pop that may have
+            # freed the pages it takes.
+            self._streams.wait(COMPUTE, self._last_side[UNPACK], "reuse after pop")
             copy()
         self._trace("stash", buffer, meta)
         handle = _Paged(
@@ -440,35 +458,39 @@ class Packing:
 
     # -------------------------------------------------- compiled graphs (te_paged.kernels.compiled)
 
-    def _save_ticket(self, t: torch.Tensor, kind: MarkerKind) -> torch.Tensor:
-        """``te_paged::save``'s body: pack ``t`` as the hooks would, keep the handle under a
-        ticket, return the ticket (an int64 ``[1]`` on the CPU: reading it is no sync)."""
-        scope = self._scope
+    def _save_ticket(self, t: torch.Tensor, kind: MarkerKind, sid: int | None) -> int:
+        """``te_paged::save``'s body: pack ``t`` as the hooks would, into the traced scope
+        ``sid`` (None: the eager scope open around the compiled code), keep the handle under a
+        ticket, return the ticket's number."""
+        if sid is None:
+            scope, outside = self._scope, self._scope_owned_outside
+        elif sid in self._traced_scopes:
+            scope = self._traced_scopes[sid]
+            outside = scope is None
+        else:
+            raise RuntimeError(
+                f"a compiled graph saved into paged-stash scope {sid}, which is gone: reset() "
+                "or release() ran between the scope's opening and its saves"
+            )
         if scope is not None:
-            handle = self._pack_kind(t, kind, scope)
-        elif self._scope_owned_outside:  # an outer saved_tensors_hooks context owns it
+            handle = self._pack_kind(t, kind, scope, traced=True)
+        elif outside:  # an outer saved_tensors_hooks context owns it
             hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
             handle = _Outer(hooks[0](t), hooks[1])
         else:
             raise RuntimeError(
                 "a compiled graph saved a marked tensor while no paged-stash scope was open: "
-                "its te_paged ops ran out of program order (te_paged::save before its "
-                "te_paged::scope_enter), or the graph was compiled inside a scope and run "
-                "outside one"
+                "it was compiled inside an eager scope and runs outside one"
             )
         self._ticket_ids += 1
         self._tickets[self._ticket_ids] = handle
-        self._ticket_refs[id(handle)] = self._ticket_refs.get(id(handle), 0) + 1
-        ticket = torch.tensor([self._ticket_ids], dtype=torch.int64)
-        # The number also rides on the object, which autograd hands back to the load: read
-        # there without a host read of the tensor (which an outer hook may have copied).
-        ticket.te_paged_ticket = self._ticket_ids
-        return ticket
+        return self._ticket_ids
 
     def _load_ticket(self, tid: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """``te_paged::load``'s body: the tensor the ticket's handle unpacks to, contiguous (the
         graph was compiled for the fake's strides) and shared with no other tensor (the
-        compiler may reuse an op's output in place): copied where either does not hold."""
+        compiler may reuse an op's output in place): copied where either does not hold (a
+        tensor an outer hook gave back that it also keeps, a view whose base lives on)."""
         handle = self._tickets.pop(tid, None)
         if handle is None:
             raise RuntimeError(
@@ -476,9 +498,6 @@ class Packing:
                 "release() ran between its forward and its backward (call them at step "
                 "boundaries only, after every backward of the step), or it was loaded twice"
             )
-        refs = self._ticket_refs.pop(id(handle)) - 1
-        if refs:
-            self._ticket_refs[id(handle)] = refs
         if isinstance(handle, _Outer):
             out = handle.unpack(handle.packed)
         elif isinstance(handle, torch.Tensor):
@@ -490,7 +509,7 @@ class Packing:
                 f"a paged-stash ticket unpacked to {tuple(out.shape)} {out.dtype}, but the "
                 f"compiled graph expects {shape} {dtype}"
             )
-        if refs or not out.is_contiguous() or not _exclusive(out):
+        if not out.is_contiguous() or not _exclusive(out):
             out = out.clone(memory_format=torch.contiguous_format)
         return out
 
@@ -507,6 +526,8 @@ class _Outer:
 
 
 def _exclusive(t: torch.Tensor) -> bool:
-    """Whether ``t`` is the only tensor on its storage (the count includes the temporary
-    storage object this call makes)."""
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= 2
+    """Whether no other tensor shares ``t``'s storage: the count is ``t``'s own reference, the
+    temporary storage object this call makes, and a view's base (a reload is a view of the
+    buffer the pop wrote, which nothing else holds)."""
+    own = 2 + (t._base is not None)
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= own

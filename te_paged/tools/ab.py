@@ -15,7 +15,7 @@ each rank; :func:`format_table` renders it; :mod:`te_paged.tools.run_record` wri
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -58,8 +58,18 @@ class StepMeter:
     ``measure`` and :func:`measures` allow, else nothing (``peak_bytes`` 0, ``method`` None,
     ``new_iteration`` None: the runner's ``before_rerun`` when nothing is measured)."""
 
-    def __init__(self, device: torch.device, step: int, capture: bool, measure: bool = True):
-        self._meter = PeakMemoryMeter(device) if measure and measures(step, capture) else None
+    def __init__(
+        self,
+        device: torch.device,
+        step: int,
+        capture: bool,
+        measure: bool = True,
+        compiled: bool = False,
+        static: Callable[[], Iterable[torch.Tensor]] | None = None,
+    ) -> None:
+        self._meter = None
+        if measure and measures(step, capture):
+            self._meter = PeakMemoryMeter(device, compiled=compiled, static=static)
         self.new_iteration = None if self._meter is None else self._meter.new_iteration
 
     def __enter__(self) -> StepMeter:
@@ -147,6 +157,10 @@ def _run(
     record_routing: bool = False,
 ) -> tuple[list[StepResult], list[list[torch.Tensor]], ToyMoEModel, PagedStashRunner, str]:
     model = ToyMoEModel(cfg, paged=paged, group=group, device=device, record_timeline=timeline)
+    if cfg.compile is not None:  # each MoE block on its own, fullgraph: torchtitan's way
+        torch._dynamo.reset()  # OFF's graphs are not ON's
+        for layer in model.layers:
+            layer.compile(backend=cfg.compile, fullgraph=True)
     if cfg.skew and rank == 0:
         for layer in model.layers:
             layer.router.set_skew([0], cfg.skew)
@@ -175,7 +189,7 @@ def _run(
             model.manager.reset()
         managers = [] if model.manager is None else [model.manager]
         capture = capturing(managers)
-        with StepMeter(device, step, capture) as meter:
+        with StepMeter(device, step, capture, compiled=cfg.compile is not None) as meter:
             runner.before_rerun = meter.new_iteration
             loss, record = runner.step(step_fn)
         method = meter.method or method

@@ -141,6 +141,7 @@ def _check_jax_args(args: argparse.Namespace) -> str | None:
         ("kernel_backend", "--kernel-backend"),
         ("record_profile", "--record-profile"),
         ("activation_checkpoint", "--activation-checkpoint"),
+        ("compile", "--compile (te_paged.jax is compiled by XLA already)"),
     ]
     refused += [(n, f"--{n.replace('_', '-')}") for n in _MEGATRON_ONLY if n != "ep"]
     given = [flag for name, flag in refused if getattr(args, name, None) not in (None, False)]
@@ -214,6 +215,24 @@ def _check_torchtitan_args(args: argparse.Namespace) -> str | None:
     return _check_outputs(args)
 
 
+def _check_compile(args: argparse.Namespace) -> str | None:
+    """What ``--compile`` cannot take, said before any rank starts."""
+    if args.compile is None:
+        return None
+    if args.recompute and not args.op_fuser:
+        return (
+            "--recompute with --compile needs --op-fuser: the unfused experts' moe_act "
+            "recompute (CheckpointWithoutOutput) frees and refills storage in place, which a "
+            "compiled graph does not express; the op fuser recomputes inside its own function"
+        )
+    if args.compile == "inductor" and args.fp8 == "mxfp8" and args.device != "cuda":
+        return (
+            "--fp8 mxfp8 with --compile inductor on the CPU: Inductor's CPU code has no e8m0 "
+            "type (MXFP8's scales; torch 2.13); use --compile aot_eager, or CUDA"
+        )
+    return None
+
+
 def check_ab_args(args: argparse.Namespace) -> str | None:
     """Everything the run would trip over, as one message (or None), before any rank starts."""
     if args.engine == "jax":
@@ -224,6 +243,14 @@ def check_ab_args(args: argparse.Namespace) -> str | None:
     args.device = _resolve_device(args.device, *_world(args))
     if args.activation_checkpoint is not None:
         return "--activation-checkpoint: only with --engine torchtitan"
+    if megatron and args.compile is not None:
+        return (
+            "--compile: not with --engine megatron, which runs its MoE eagerly (Megatron hides "
+            "the launches with CUDA graphs instead)"
+        )
+    problem = _check_compile(args)
+    if problem:
+        return problem
     if not megatron:
         given = [f"--{n.replace('_', '-')}" for n in _MEGATRON_ONLY if getattr(args, n) not in
                  (None, False)]  # fmt: skip

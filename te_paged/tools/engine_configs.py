@@ -53,6 +53,9 @@ class ModelConfig:
     grow_capacity: bool = True  # the runner's grow_capacity (False: the wire stays put)
     kernel_backend: str = "auto"
     skip_immediate_backward: bool = True  # moe_paged_stash_skip_immediate_backward
+    #: torch.compile's backend for every MoE block ("inductor", "aot_eager"), fullgraph, as
+    #: torchtitan compiles its blocks; None: eager. Default and torchtitan engines only.
+    compile: str | None = None
 
     def moe_config(self, ep_size: int, paged: bool) -> MoEConfig:
         from te_paged.config import MoEConfig

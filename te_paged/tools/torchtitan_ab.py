@@ -208,7 +208,7 @@ def trainer_config(cfg: TorchtitanModelConfig, paged: bool, world: int, dump_fol
     from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.components.metrics import MetricsProcessor
     from torchtitan.components.optimizer import default_adamw
-    from torchtitan.config import DebugConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.config import CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
     from te_paged.integrations.torchtitan.trainer import PagedStashTrainer, TePagedConfig
@@ -240,6 +240,9 @@ def trainer_config(cfg: TorchtitanModelConfig, paged: bool, world: int, dump_fol
             expert_parallel_degree=cfg.ep or world,
         ),
         activation_checkpoint=ac[cfg.activation_checkpoint],
+        compile=CompileConfig(
+            enable=cfg.compile is not None, components=["model"], backend=cfg.compile or "inductor"
+        ),
         debug=DebugConfig(seed=cfg.seed),
         dump_folder=dump_folder,
         te_paged=TePagedConfig(
@@ -267,6 +270,18 @@ def _skew(trainer, amount: float, experts: int = 1) -> None:
                 _local(bias)[:experts] += amount
 
 
+def _static_tensors(trainer, params: list[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """What a step allocates that is not its activations or temporaries, for a measurement
+    without ``MemTracker``'s categories (compiled code): the gradients torchtitan reallocates
+    every step (``zero_grad(set_to_none=True)``) and the optimizer's states."""
+    for p in params:
+        if p.grad is not None:
+            yield _local(p.grad)
+    for optimizer in trainer.optimizers.optimizers:
+        for state in optimizer.state.values():
+            yield from (_local(v) for v in state.values() if isinstance(v, torch.Tensor))
+
+
 def train(
     cfg: TorchtitanModelConfig,
     paged: bool,
@@ -277,6 +292,8 @@ def train(
     world, rank = dist.get_world_size(), dist.get_rank()
     os.environ.setdefault("LOCAL_RANK", str(rank if device.type == "cuda" else 0))
     with tempfile.TemporaryDirectory(prefix="te-paged-torchtitan-") as dump:
+        if cfg.compile is not None:
+            torch._dynamo.reset()  # OFF's graphs are not ON's
         trainer = trainer_config(cfg, paged, world, dump).build()
         try:
             if cfg.skew and (rank == 0 or cfg.skew_every_rank):
@@ -290,8 +307,13 @@ def train(
                 for manager in runner.managers:
                     manager.reset()  # allocates the pool after the capture step: unmeasured
                 capture = capturing(runner.managers)
-                with StepMeter(device, step, capture, cfg.measure_memory) as meter:
-                    runner.before_rerun = meter.new_iteration
+                compiled = cfg.compile is not None
+                meter = StepMeter(
+                    device, step, capture, cfg.measure_memory, compiled,
+                    static=functools.partial(_static_tensors, trainer, params),
+                )  # fmt: skip
+                runner.before_rerun = meter.new_iteration
+                with meter:
                     trainer.train_step(data)
                 record = trainer.last_record
                 grads = [_local(p.grad).detach().cpu().clone()

@@ -47,6 +47,7 @@ from te_paged.config import MoEConfig
 from te_paged.config.checks import require_bool
 from te_paged.grouped.grouped_tensor import splits_are_invalid
 from te_paged.integrations.torchtitan.hybridep import PagedHybridEPTokenDispatcher
+from te_paged.kernels.compiled import StashSite, save_for_backward, saved_tensors
 from te_paged.kernels.layout import Flag
 from te_paged.markers import mark_grouped_tensor
 from te_paged.moe import DispatchHandle, PagedStashParticipant, StaticBudgetDispatcher
@@ -104,6 +105,7 @@ class PagedGroupedExperts(GroupedExperts, PagedStashParticipant):
         self.stash_options = {name: getattr(config, name) for name in STASH_FIELDS}
         self.manager: PagedStashManager | None = None
         self.layer_number: int | None = None
+        self._stash_site = StashSite(self)  # names this layer in a compiled graph's scopes
         #: Balanced-case rows of the next forward (``T·K``), set by :class:`PagedRoutedExperts`;
         #: sizes the pools. ``None``: the static rows.
         self.balanced_rows: int | None = None
@@ -128,16 +130,20 @@ class PagedGroupedExperts(GroupedExperts, PagedStashParticipant):
             return self._experts(x_RD, num_tokens_per_expert_E, mark=False)
         rows = x_RD.shape[0]
         counts_e = num_tokens_per_expert_E
-        manager.flags[Flag.INVALID] += splits_are_invalid(counts_e, rows)
+        manager.add_flag(Flag.INVALID, splits_are_invalid(counts_e, rows))
         num_tokens = counts_e.sum().reshape(1)  # on the device: no host read
         balanced = rows if self.balanced_rows is None else min(rows, self.balanced_rows)
-        with manager.scope(rows, num_tokens, balanced, layer=self.layer_number):
+        with manager.scope(rows, num_tokens, balanced, layer=self._stash_site):
             return self._experts(x_RD, counts_e, mark=True)
 
     def _experts(self, x_RD: torch.Tensor, counts_e: torch.Tensor, *, mark: bool) -> torch.Tensor:
         """``GroupedExperts.forward``'s arithmetic; ``mark``: mark what autograd saves."""
         w1_EFD, w2_EDF, w3_EFD = self._weights()
         offsets_E = torch.cumsum(counts_e, dim=0, dtype=torch.int32)
+        if torch.compiler.is_compiling():  # stash ON and OFF alike: one arithmetic compiled
+            w1, w3, w2 = (w.bfloat16().transpose(-2, -1) for w in (w1_EFD, w3_EFD, w2_EDF))
+            out = _CompiledExperts.apply(x_RD, offsets_E, w1, w3, w2, self._grouped_mm, mark)
+            return out.type_as(x_RD)
         # A mark must be set before the op that saves the tensor runs (its pack hook reads it).
         # GroupedExperts casts x to bf16 once per GEMM: two copies, two gradients summed in x's
         # dtype. _TwoCasts gives the same two gradients from one copy (and a view of it), which
@@ -157,6 +163,59 @@ class PagedGroupedExperts(GroupedExperts, PagedStashParticipant):
             mark_grouped_tensor(h_RF)  # saved by the last grouped GEMM
         out = self._grouped_mm(A=h_RF, B_t=w2_EDF.bfloat16().transpose(-2, -1), offs=offsets_E)
         return out.type_as(x_RD)
+
+
+class _CompiledExperts(torch.autograd.Function):
+    """:meth:`PagedGroupedExperts._experts` under torch.compile, where the compiler, not the
+    marked objects, decides what plain ops save: one function that saves the bf16 input (once)
+    and the two first GEMMs' outputs ``g1``, ``g3`` (paged when ``mark``) and the three bf16
+    weights, recomputes ``s = silu(g1)`` and ``h = s · g3`` in backward, and differentiates each
+    op there with ``torch.func.vjp``: autograd's formulas (the vjp's primal recomputation is
+    dead code the compiler drops). ``x`` in another dtype gets two gradients summed in its
+    dtype, as two casts would.
+
+    Why not save ``s`` and ``h`` as eager autograd does (five tensors a layer): Inductor's
+    partitioner recomputes such pointwise values in backward when they are ordinary saved
+    tensors (stash OFF), fused and unrounded, but not when they pass through the stash's ops
+    (ON): ON and OFF would differ in the last bits. Recomputing them in both is what Inductor
+    does with torchtitan's own experts, and keeps ON and OFF one arithmetic.
+
+    ``[R, D]`` input, ``[E, D, F]`` (w1, w3) and ``[E, F, D]`` (w2) weights transposed,
+    ``[R, D]`` out; saved ``R·D·2 + 2·R·F·2`` bytes in bf16 (what the stash pages, actual rows
+    only) and the weights (references)."""
+
+    @staticmethod
+    def forward(ctx, x_RD, offsets_E, w1_EDF, w3_EDF, w2_EFD, grouped_mm, mark: bool):
+        x_bf = x_RD.bfloat16()
+        g1_RF = grouped_mm(A=x_bf, B_t=w1_EDF, offs=offsets_E)
+        s_RF = F.silu(g1_RF)
+        g3_RF = grouped_mm(A=x_bf, B_t=w3_EDF, offs=offsets_E)
+        h_RF = s_RF * g3_RF
+        out_RD = grouped_mm(A=h_RF, B_t=w2_EFD, offs=offsets_E)
+        acts = [t.view_as(t) for t in (x_bf, g1_RF, g3_RF)]
+        if mark:
+            mark_grouped_tensor(*acts)
+        save_for_backward(ctx, *acts, w1_EDF, w3_EDF, w2_EFD, offsets_E)
+        ctx.grouped_mm, ctx.x_dtype = grouped_mm, x_RD.dtype
+        return out_RD
+
+    @staticmethod
+    def backward(ctx, dout_RD):
+        x_bf, g1_RF, g3_RF, w1, w3, w2, offsets_E = saved_tensors(ctx)
+        gmm = ctx.grouped_mm
+        s_RF = F.silu(g1_RF)
+        h_RF = s_RF * g3_RF
+
+        def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return gmm(A=a, B_t=b, offs=offsets_E)
+
+        dh_RF, dw2 = torch.func.vjp(mm, h_RF, w2)[1](dout_RD.bfloat16())
+        ds_RF, dg3_RF = torch.func.vjp(torch.mul, s_RF, g3_RF)[1](dh_RF)
+        (dg1_RF,) = torch.func.vjp(F.silu, g1_RF)[1](ds_RF)
+        dx3, dw3 = torch.func.vjp(mm, x_bf, w3)[1](dg3_RF)
+        dx1, dw1 = torch.func.vjp(mm, x_bf, w1)[1](dg1_RF)
+        dx = dx1.to(ctx.x_dtype) + dx3.to(ctx.x_dtype)
+        return dx, None, dw1, dw3, dw2, None, None
 
 
 class _TwoCasts(torch.autograd.Function):

@@ -140,7 +140,7 @@ def test_the_graphs_hold_te_pageds_ops_and_no_host_read() -> None:
     for step in range(2):
         _step(cfg, manager, compiled, step)
     fw, bw = graphs["forward"], graphs["backward"]
-    for op in ("scope_enter", "save", "scope_exit", "flag_add"):
+    for op in ("scope_enter", "save", "flag_add"):
         assert fw.count(f"te_paged.{op}.default") >= 2, op  # one per layer at least
     assert fw.count("te_paged.save.default") == manager.stats().stashes
     assert bw.count("te_paged.load.default") == manager.stats().pops
@@ -151,37 +151,63 @@ def test_the_graphs_hold_te_pageds_ops_and_no_host_read() -> None:
 # ----------------------------------------------------------------------------------- tickets
 
 
-def _open(manager, rows=ROWS):
-    manager._open_scope(rows, torch.tensor([ROWS // 2]), ROWS // 2, None, True, traced=True)
+def _open(manager, rows=ROWS) -> int:
+    return manager._open_traced_scope(rows, torch.tensor([ROWS // 2]), ROWS // 2, None, True)
+
+
+def test_a_traced_save_refers_to_nothing_the_graph_may_reuse() -> None:
+    """Inductor hands a dead buffer's storage to a later tensor without a free or a version
+    bump: a traced save must neither deduplicate by storage (the later tensor wears the same
+    address) nor keep the tensor itself (kept unpaged: a copy)."""
+    manager = PagedStashManager(page_size=8)  # skip_immediate_backward: the scope is kept
+    x = torch.randn(ROWS, 16)
+    view = x.view_as(x)
+    tid = manager._save_ticket(view, MarkerKind.TOKEN_ROWS, _open(manager))
+    manager._load_ticket(tid, (ROWS, 16), torch.float32)  # popped first: an immediate scope
+    manager.reset()  # the capture step learnt it; the paged step keeps it
+    sid = _open(manager)
+    t1 = manager._save_ticket(view, MarkerKind.TOKEN_ROWS, sid)
+    t2 = manager._save_ticket(view, MarkerKind.TOKEN_ROWS, sid)  # the same bytes: two handles
+    assert manager.stats().stashes_skipped == 2
+    x.fill_(3.0)  # the graph writes into the buffer it handed over
+    a = manager._load_ticket(t1, (ROWS, 16), torch.float32)
+    b = manager._load_ticket(t2, (ROWS, 16), torch.float32)
+    assert not torch.equal(a, x) and torch.equal(a, b)
+    assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+    with pytest.raises(RuntimeError, match="loaded twice"):
+        manager._load_ticket(t1, (ROWS, 16), torch.float32)
 
 
 def test_a_load_hands_out_memory_no_other_tensor_shares() -> None:
     manager = PagedStashManager(page_size=8, skip_immediate_backward=False)
     x = torch.randn(ROWS, 16)
-    _open(manager)
-    view = x.view_as(x)
-    t1 = manager._save_ticket(view, MarkerKind.TOKEN_ROWS)
-    t2 = manager._save_ticket(view, MarkerKind.TOKEN_ROWS)  # the same bytes: one handle
-    manager._close_scope()
-    assert manager.stats().stashes == 1
-    a = manager._load_ticket(t1.te_paged_ticket, (ROWS, 16), torch.float32)
-    b = manager._load_ticket(t2.te_paged_ticket, (ROWS, 16), torch.float32)
-    assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
-    assert torch.equal(a[: ROWS // 2], x[: ROWS // 2]) and torch.equal(a, b)
-    with pytest.raises(RuntimeError, match="loaded twice"):
-        manager._load_ticket(t1.te_paged_ticket, (ROWS, 16), torch.float32)
+    for _ in range(2):  # capture, then paged
+        manager.reset()
+        tid = manager._save_ticket(x.view_as(x), MarkerKind.TOKEN_ROWS, _open(manager))
+        out = manager._load_ticket(tid, (ROWS, 16), torch.float32)
+        assert torch.equal(out[: ROWS // 2], x[: ROWS // 2]) and not out[ROWS // 2 :].any()
+        assert torch._C._storage_Use_Count(out.untyped_storage()._cdata) <= 3  # no clone
+    keep = out[:4]  # another tensor on the reload's storage: the next load of it is a copy
+    assert not te_exclusive(out)
+    del keep
 
 
-def test_a_ticket_saved_outside_a_scope_or_loaded_after_reset_is_refused() -> None:
+def te_exclusive(t):
+    from te_paged.stash.packing import _exclusive
+
+    return _exclusive(t)
+
+
+def test_a_ticket_saved_into_a_scope_that_is_gone_or_loaded_after_reset_is_refused() -> None:
     manager = PagedStashManager(page_size=8)
-    with pytest.raises(RuntimeError, match="out of program order"):
-        manager._save_ticket(torch.randn(ROWS, 4), MarkerKind.TOKEN_ROWS)
-    _open(manager)
-    ticket = manager._save_ticket(torch.randn(ROWS, 4), MarkerKind.TOKEN_ROWS)
-    manager._close_scope()
+    with pytest.raises(RuntimeError, match="which is gone"):
+        manager._save_ticket(torch.randn(ROWS, 4), MarkerKind.TOKEN_ROWS, 7)
+    with pytest.raises(RuntimeError, match="no paged-stash scope was open"):
+        manager._save_ticket(torch.randn(ROWS, 4), MarkerKind.TOKEN_ROWS, None)
+    tid = manager._save_ticket(torch.randn(ROWS, 4), MarkerKind.TOKEN_ROWS, _open(manager))
     manager.reset()
     with pytest.raises(RuntimeError, match="reset\\(\\) or release\\(\\) ran between"):
-        manager._load_ticket(ticket.te_paged_ticket, (ROWS, 4), torch.float32)
+        manager._load_ticket(tid, (ROWS, 4), torch.float32)
 
 
 # ------------------------------------------------------------------------------ never silent
