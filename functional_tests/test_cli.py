@@ -84,6 +84,16 @@ def ab_launch(name: str, *args: str) -> Launch:
 
 AB_MEGATRON = ab_launch("ab megatron", "--engine", "megatron")
 AB_TORCHTITAN = ab_launch("ab torchtitan", "--engine", "torchtitan")
+# torchtitan's compile.enable: every TransformerBlock compiled, fullgraph, aot_eager (4 ranks);
+# sequences of 256 tokens: compiled, the default model pages 2.5 MiB, within the noise.
+AB_TORCHTITAN_COMPILED = ab_launch(
+    "ab torchtitan compiled", "--engine", "torchtitan", "--compile", "aot_eager",
+    "--seq-length", "256",
+)  # fmt: skip
+# The default engine's MoE blocks compiled with Inductor (2 ranks, a smaller model).
+AB_COMPILED = ab_launch(
+    "ab compiled", "--compile", "--nproc", "2", "--layers", "4", "--tokens", "256"
+)
 _SMALL_MEGATRON = ["--hidden", "64", "--ffn", "128", "--seq-length", "32"]
 # Megatron's HybridModel under Megatron's own PagedStashRunner (as pretrain() drives it).
 AB_MEGATRON_RERUNS = ab_launch(
@@ -512,6 +522,39 @@ def test_ab_engine_torchtitan_default_model_is_bitwise_and_saves_memory(launches
     assert memory["measured_over_reload_adjusted"] >= 0.95, memory
 
 
+def _compiled_run(launches, launch, engine: str, backend: str) -> dict:
+    """A compiled ``ab`` run: bitwise every step, paged, the saving >= 0.95 of the
+    reload-adjusted model (measured from the profiler's allocation events: no dispatch-mode
+    tracker runs compiled code)."""
+    proc, js = launches.result(launch)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"compiled: torch.compile(backend='{backend}', fullgraph=True)" in proc.stdout
+    assert "bitwise equal" in proc.stdout and "Traceback" not in proc.stderr
+    assert "USDT" not in proc.stderr and "CPUAllocator" not in proc.stderr  # profiler noise
+    data = check_record(js)
+    assert data["engine"] == engine and data["config"]["compile"] == backend
+    for rank in data["ranks"]:
+        assert all(rank["grads_equal"]), rank["grads_equal"]
+        assert [s["loss"] for s in rank["on"]] == [s["loss"] for s in rank["off"]]
+        assert rank["stashes"] > 0 and rank["stashes"] == rank["pops"]
+        assert all(s["record"]["paged_nothing"] is None for s in rank["on"])
+    measured_steps(data)
+    assert all("profiler" in r["memory_method"] for r in data["ranks"])
+    memory = data["memory"]
+    assert memory["measured_over_reload_adjusted"] >= 0.95, memory
+    return data
+
+
+@pytest.mark.launch(AB_TORCHTITAN_COMPILED)
+def test_ab_engine_torchtitan_compiled_is_bitwise_and_saves_memory(launches) -> None:
+    _compiled_run(launches, AB_TORCHTITAN_COMPILED, "torchtitan", "aot_eager")
+
+
+@pytest.mark.launch(AB_COMPILED)
+def test_ab_compiled_with_inductor_is_bitwise_and_saves_memory(launches) -> None:
+    _compiled_run(launches, AB_COMPILED, "default", "inductor")
+
+
 @pytest.mark.launch(AB_MEGATRON_RERUNS)
 def test_ab_engine_megatron_forced_reruns_stay_bitwise(launches) -> None:
     proc, js = launches.result(AB_MEGATRON_RERUNS)
@@ -590,6 +633,10 @@ def test_ab_engine_megatron_pipeline_prints_each_stage(launches) -> None:
         (["--engine", "megatron", "--record-profile", "p.json"], "--record-profile is not"),
         (["--dropout", "0.1"], "--dropout: only with --engine megatron"),
         (["--ep", "2", "--overlap-grad-reduce"], "--ep, --overlap-grad-reduce: only with"),
+        (["--engine", "megatron", "--compile"], "--compile: not with --engine megatron"),
+        (["--engine", "jax", "--compile", "aot_eager"], "--compile (te_paged.jax is compiled"),
+        (["--compile", "--recompute"], "--recompute with --compile needs --op-fuser"),
+        (["--compile", "--fp8", "mxfp8"], "Inductor's CPU code has no e8m0 type"),
     ],
 )
 def test_ab_engine_arguments_are_checked_before_any_rank_starts(args, message, capsys) -> None:

@@ -65,11 +65,20 @@ def test_in_budget_steps_are_paged_without_a_rerun(results, case):
         assert s["overflow_ranks"] == 0 and s["overbudget_ranks"] == 0
 
 
-def test_a_pool_too_small_overflows_and_reruns(results):
-    for _rank, s in _steps(results, "overflow"):
+@pytest.mark.parametrize("case", ["overflow", "compiled_overflow"])
+def test_a_pool_too_small_overflows_and_reruns(results, case):
+    for _rank, s in _steps(results, case):
         if s["capture"]:
             continue
         assert s["attempt"] == 2 and s["overflow_ranks"] > 0 and not s["enabled"]
+
+
+def test_compiled_blocks_page_every_step_and_say_nothing_is_wrong(results):
+    # torchtitan's compile.enable (each TransformerBlock fullgraph=True): paged as eager is
+    # (the steps bitwise to the compiled OFF run: test_on_equals_off_bitwise_every_step).
+    for _rank, s in _steps(results, "compiled"):
+        assert s["attempt"] == 1 and s["enabled"] and s["paged_nothing"] is None
+        assert s["stashes"] > 0 and s["stashes"] == s["pops"]
 
 
 def test_tokens_over_budget_rerun_dropless(results):

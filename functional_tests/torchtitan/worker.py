@@ -13,7 +13,11 @@ shard after the optimizer step bitwise with the OFF run of the same routing:
 * ``over_budget``: rank 0's routing skewed to expert 0 past its budget (capacity factor 1.25):
   over-budget reruns, against an OFF run of the same skewed routing that never had a budget
   (``moe_expert_rank_capacity_factor=None``: dropless from the start), so never reran;
-* ``sac``: torchtitan's selective activation checkpointing on every block.
+* ``sac``: torchtitan's selective activation checkpointing on every block;
+* ``compiled``: ``ep4`` with torchtitan's ``compile.enable`` (each TransformerBlock
+  ``fullgraph=True``, ``aot_eager``), against the OFF run compiled alike;
+* ``compiled_overflow``: ``overflow`` compiled: the reruns run the compiled graph with the stash
+  off, against the compiled OFF run, which never overflowed.
 
 Each rank writes ``rank<r>.json``: per case, per step, the flags and whether it matched.
 """
@@ -39,6 +43,11 @@ CASES = {
     "ep2_dp2": ("ep2_dp2", {"ep": 2}),
     "over_budget": ("over_budget", {"capacity_factor": 1.25, "skew": 20.0}),
     "sac": ("sac", {"activation_checkpoint": "selective"}),
+    "compiled": ("compiled", {"compile": "aot_eager"}),
+    "compiled_overflow": (
+        "compiled",
+        {"compile": "aot_eager", "grow_pool": False, "buffer_factor_cuda": 0.3},
+    ),
 }
 #: OFF runs: the routing-relevant settings of the cases that own one.
 OFF = {
@@ -46,6 +55,7 @@ OFF = {
     "ep2_dp2": {"ep": 2},
     "over_budget": {"capacity_factor": None, "skew": 20.0},
     "sac": {"activation_checkpoint": "selective"},
+    "compiled": {"compile": "aot_eager"},
 }
 
 
@@ -105,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                     "stashes": a.stashes,
                     "pops": a.pops,
                     "params": len(on.params[i]),
+                    "paged_nothing": a.record["paged_nothing"],
                     "record": {k: a.record[k] for k in ("step", "pool_growth")},
                 }
             )

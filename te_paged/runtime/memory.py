@@ -20,6 +20,7 @@ when comparing paged stash ON against OFF.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -79,6 +80,8 @@ class PeakMemoryMeter:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
         elif self.compiled:
+            # The profiler's own start and stop lines (kineto's USDT level) are not for users.
+            os.environ.setdefault("KINETO_LOG_LEVEL", "6")
             self._profiler = torch.profiler.profile(
                 activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
             )
@@ -122,35 +125,45 @@ class PeakMemoryMeter:
 
 
 def _allocator_peak(profiler: torch.profiler.profile, static_ptrs: set[int] = frozenset()) -> int:
-    """The peak of the running sum of the CPU allocations and frees the profiler recorded, in
-    time order, less the allocations still live at the end at a ``static_ptrs`` address.
+    """The peak of the step's own CPU memory from the profiler's allocation events, in time
+    order, less the allocations still live at the end at a ``static_ptrs`` address.
 
-    Only the threads the profiler profiles (the step's own, autograd's backward included),
-    not the allocator's process-wide total that every allocation event also carries, which
-    counts a communication library's worker threads (gloo's buffers: a 15 to 35 MiB spread
-    between the ranks of one ``ab`` run, where the recorded events agree with ``MemTracker``
-    to a few hundred bytes)."""
+    The events are those of the threads the profiler profiles (the step's own, autograd's
+    backward included); each also carries the allocator's process-wide total. A collective's
+    worker thread (gloo's) allocates buffers of its own, which the step does not hold, and may
+    drop the last reference to a tensor the step allocated, a free no event records. Between
+    two events the total's change not explained by the event is the other threads' net: what
+    they allocate is theirs, what they free is first theirs and, past that, the step's."""
     events, stack = [], list(profiler.profiler.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
         fields = node.extra_fields
         if type(fields).__name__ == "_ExtraFields_Allocation" and fields.device.type == "cpu":
-            events.append((node.start_time_ns, fields.ptr, fields.alloc_size))
+            events.append((node.start_time_ns, fields.ptr, fields.alloc_size,
+                           fields.total_allocated))  # fmt: skip
         stack.extend(node.children)
     events.sort()
     # The allocation of each static address that is still live at the end: not counted.
     last: dict[int, int] = {}  # address -> index of its live allocation
-    for i, (_, ptr, size) in enumerate(events):
+    for i, (_, ptr, size, _) in enumerate(events):
         if size > 0:
             last[ptr] = i
         else:
             last.pop(ptr, None)
     skip = {last[p] for p in static_ptrs if p in last}
-    peak = live = 0
-    for i, (_, _, size) in enumerate(events):
+    peak = live = theirs = 0
+    total = events[0][3] - events[0][2] if events else 0
+    for i, (_, _, size, after) in enumerate(events):
+        other, total = after - size - total, after
+        if other > 0:
+            theirs += other
+        elif other < 0:
+            mine = max(0, -other - theirs)
+            theirs = max(0, theirs + other)
+            live -= mine
         if i not in skip:
             live += size
-            peak = max(peak, live)
+        peak = max(peak, live)
     return peak
 
 
