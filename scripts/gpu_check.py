@@ -1290,6 +1290,99 @@ def te_ports() -> str:
     return _run_cases(cases)
 
 
+COMPILED_BACKENDS = ("inductor", "reduce-overhead")
+
+
+def _compiled_model(paged: bool, mode: str | None):
+    """``te-paged ab``'s default model (one rank) with every MoE block compiled, fullgraph
+    (``mode``: Inductor's mode, ``None`` eager), its runner, and its batches."""
+    from te_paged.runtime.runner import PagedStashRunner
+    from te_paged.tools.model import ModelConfig, ToyMoEModel, make_batch
+
+    cfg = ModelConfig(tokens=4096 if _cuda() else 256, kernel_backend=BACKEND)
+    model = ToyMoEModel(cfg, paged=paged, group=None, device=DEV)
+    if mode is not None:
+        for layer in model.layers:
+            layer.compile(backend="inductor", mode=None if mode == "inductor" else mode,
+                          fullgraph=True)  # fmt: skip
+    runner = PagedStashRunner(model, model.manager, measure_fallback_memory=False)
+    batches = [make_batch(cfg, step, 0, DEV) for step in range(2)]
+
+    def step(i: int) -> list[torch.Tensor]:
+        x, target = batches[i % 2]
+        model.zero_grad(set_to_none=False)
+
+        def fn() -> torch.Tensor:
+            loss = model(x, target)
+            loss.backward()
+            return loss.detach()
+
+        loss, record = runner.step(fn)
+        if paged and record.attempt != 1:
+            raise AssertionError(f"step {i} reran: {record}")
+        return [loss, *(p.grad.clone() for p in model.parameters())]
+
+    return model, step
+
+
+@check(
+    "the default ab model compiled (Inductor; reduce-overhead: CUDA graphs), one rank",
+    "compiled ON vs OFF bitwise, every gradient, Inductor and reduce-overhead; te_paged's "
+    "stash and pop kernels in the compiled step's profile; step time ON/OFF compiled beside "
+    "eager (figures)",
+)
+def compiled() -> str:
+    """Three modes (eager, Inductor, Inductor's ``reduce-overhead``), each ON and OFF: the
+    capture step and one paged step bitwise; then, interleaved, step times after warm-up."""
+    torch._dynamo.reset()
+    warmup, repeats = (1, 2) if DRY else (3, 10)
+    runs, steps, equal = {}, {}, {}
+    for mode in (None, *COMPILED_BACKENDS):
+        label = mode or "eager"
+        for paged in (False, True):
+            model, step = _compiled_model(paged, mode)
+            runs[(label, paged)] = [step(i) for i in range(2 + warmup)]
+            steps[(label, paged)] = (model, step)
+        equal[label] = all(_all_same(a, b) for a, b in zip(runs[(label, True)],
+                                                            runs[(label, False)]))  # fmt: skip
+    times: dict[tuple[str, bool], list[float]] = {k: [] for k in steps}
+    for i in range(repeats):
+        for key, (_, step) in steps.items():
+            times[key].append(_timed(functools.partial(step, i))[0])
+    med = {k: statistics.median(v) for k, v in times.items()}
+    model, step = steps[("inductor", True)]
+    kernels = _kernel_times(functools.partial(step, 0))
+    ours = {n: ms for n, ms in kernels.items() if n.startswith(STASH_KERNELS) or "te_paged" in n}
+    stats = model.manager.stats()
+    table = [
+        f"`te-paged ab`'s default model, one rank, {4096 if _cuda() else 256} tokens, every MoE "
+        f"block compiled with fullgraph=True; {repeats} timed steps each after the capture step "
+        f"and {warmup} warm-up steps, interleaved.",
+        "",
+        "| mode | ON/OFF bitwise | OFF ms (median) | ON ms (median) | ON/OFF |",
+        "| --- | :---: | ---: | ---: | ---: |",
+    ]
+    for label in equal:
+        off, on = med[(label, False)], med[(label, True)]
+        table.append(f"| {label} | {'yes' if equal[label] else 'NO'} | {1e3 * off:.2f} "
+                     f"| {1e3 * on:.2f} | {on / off:.3f} |")  # fmt: skip
+    table += ["", "te_paged's kernels in one profiled compiled step (Inductor, ON): "
+              + (", ".join(f"`{n}` {ms:.3f} ms" for n, ms in sorted(ours.items())) or "none"),
+              f"; the step's stashes/pops {stats.stashes}/{stats.pops}."]  # fmt: skip
+    text = "\n".join(table)
+    print(text)
+    _section(text)
+    ratios = ", ".join(f"{k} {med[(k, True)] / med[(k, False)]:.3f}" for k in equal)
+    same = ", ".join(f"{k} {v}" for k, v in equal.items())
+    detail = (f"ON/OFF bitwise: {same}; step time ON/OFF: {ratios}; te_paged kernels in the "
+              f"compiled profile: {len(ours)}")  # fmt: skip
+    if not all(equal.values()) or not stats.stashes == stats.pops > 0:
+        raise AssertionError(detail)
+    if _cuda() and not any(n.startswith(STASH_KERNELS) for n in ours):
+        raise TargetMissed(f"{detail}; te_paged's stash kernels are not in the profile")
+    return detail
+
+
 # ----------------------------------------------------------------------------------- runner
 
 

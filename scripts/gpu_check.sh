@@ -12,7 +12,9 @@
 # memory vs the capacity model, `te-paged ab --device cuda`, Megatron-core 0.19.2's stash
 # kernels vs te_paged's (time ratio <= 1.0 at every size), te_paged's experts behind
 # Megatron's HybridEP dispatcher where deep_ep imports (N/A otherwise), Transformer Engine 2.19's
-# GroupedLinear cases (ported to CPU in tests/unit/grouped) on CUDA bf16.
+# GroupedLinear cases (ported to CPU in tests/unit/grouped) on CUDA bf16, and the default ab
+# model compiled (Inductor and reduce-overhead: ON vs OFF bitwise, the stash kernels in the
+# compiled step's profile, step time ON/OFF compiled beside eager).
 # See scripts/gpu_check.py. Exit status 0 only if every check met its target.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -14,10 +14,11 @@ shard after the optimizer step bitwise with the OFF run of the same routing:
   over-budget reruns, against an OFF run of the same skewed routing that never had a budget
   (``moe_expert_rank_capacity_factor=None``: dropless from the start), so never reran;
 * ``sac``: torchtitan's selective activation checkpointing on every block;
-* ``compiled``: ``ep4`` with torchtitan's ``compile.enable`` (each TransformerBlock
-  ``fullgraph=True``, ``aot_eager``), against the OFF run compiled alike;
-* ``compiled_overflow``: ``overflow`` compiled: the reruns run the compiled graph with the stash
-  off, against the compiled OFF run, which never overflowed.
+* ``compiled``: torchtitan's ``compile.enable`` (each TransformerBlock ``fullgraph=True``,
+  ``aot_eager``), sequences of 256 tokens and 2 steps, the memory measured as ``te-paged ab``
+  measures it (its ``RankResult`` in the JSON), against the OFF run compiled alike;
+* ``compiled_overflow``: ``compiled`` with ``overflow``'s pool: the reruns run the compiled
+  graph with the stash off, against the compiled OFF run, which never overflowed.
 
 Each rank writes ``rank<r>.json``: per case, per step, the flags and whether it matched.
 """
@@ -25,6 +26,7 @@ Each rank writes ``rank<r>.json``: per case, per step, the flags and whether it 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -43,19 +45,22 @@ CASES = {
     "ep2_dp2": ("ep2_dp2", {"ep": 2}),
     "over_budget": ("over_budget", {"capacity_factor": 1.25, "skew": 20.0}),
     "sac": ("sac", {"activation_checkpoint": "selective"}),
-    "compiled": ("compiled", {"compile": "aot_eager"}),
+    "compiled": ("compiled", {"compile": "aot_eager", "steps": 2, "seq_length": 256}),
     "compiled_overflow": (
         "compiled",
-        {"compile": "aot_eager", "grow_pool": False, "buffer_factor_cuda": 0.3},
+        {"compile": "aot_eager", "steps": 2, "seq_length": 256, "grow_pool": False,
+         "buffer_factor_cuda": 0.3},
     ),
-}
+}  # fmt: skip
+#: The cases whose memory is measured, as ``ab`` measures it (slow: the others skip it).
+MEASURED = ("compiled",)
 #: OFF runs: the routing-relevant settings of the cases that own one.
 OFF = {
     "ep4": {},
     "ep2_dp2": {"ep": 2},
     "over_budget": {"capacity_factor": None, "skew": 20.0},
     "sac": {"activation_checkpoint": "selective"},
-    "compiled": {"compile": "aot_eager"},
+    "compiled": {"compile": "aot_eager", "steps": 2, "seq_length": 256, "measure_memory": True},
 }
 
 
@@ -82,6 +87,20 @@ def start_rank():
     return dist.get_rank(), torch.device("cpu")
 
 
+def _ab_result(rank: int, on, off, config: dict) -> dict:
+    """This rank's ``te-paged ab`` result of the ON and OFF runs (the test gathers the ranks'
+    into an ``ABResult`` for the memory table's figures)."""
+    from te_paged.tools.ab_result import rank_result
+
+    equal = [_same(a, b) and _same(ga, gb)
+             for a, b, ga, gb in zip(on.params, off.params, on.grads, off.grads)]  # fmt: skip
+    host = sum(m.stats().host_pool_bytes for m in on.managers)
+    reloads = max((m.reload_layers for m in on.managers), default=1)
+    result = rank_result(rank, on.steps, off.steps, equal, host, on.memory_method, [],
+                         reload_layers=reloads)  # fmt: skip
+    return {"config": config, "rank": dataclasses.asdict(result)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -96,10 +115,14 @@ def main(argv: list[str] | None = None) -> int:
         name: train(TorchtitanModelConfig(**{**BASE, **kw}), False, device)
         for name, kw in OFF.items()
     }
-    result = {"world_size": dist.get_world_size(), "rank": rank, "cases": {}}
+    result = {"world_size": dist.get_world_size(), "rank": rank, "cases": {}, "ab": {}}
     for case, (off_name, kw) in CASES.items():
-        on = train(TorchtitanModelConfig(**{**BASE, **kw}), True, device)
+        measure = {"measure_memory": True} if case in MEASURED else {}
+        cfg = TorchtitanModelConfig(**{**BASE, **kw, **measure})
+        on = train(cfg, True, device)
         off = off_runs[off_name]
+        if case in MEASURED:
+            result["ab"][case] = _ab_result(rank, on, off, dataclasses.asdict(cfg))
         steps = []
         for i, (a, b) in enumerate(zip(on.steps, off.steps)):
             steps.append(

@@ -125,16 +125,19 @@ _PORT = f"{StashPort.__module__}.{StashPort.__qualname__}"
 _SITE = f"{StashSite.__module__}.{StashSite.__qualname__}"
 
 _LIB = torch.library.Library("te_paged", "FRAGMENT")
-_LIB.define(
+# Their bodies run Python on the host (the manager's bookkeeping, the tickets): a CUDA graph
+# would replay their kernels without it. Inductor's CUDA graphs (mode="reduce-overhead") then
+# leave them out: partitioned around them where Inductor partitions, else not captured.
+_UNSAFE = (torch.Tag.cudagraph_unsafe,)
+for _schema in (
     f"scope_enter(Tensor num_tokens, {_PORT} port, {_SITE} site, int layer, "
-    "int max_num_tokens, int avg_num_tokens, bool grad_enabled) -> Tensor"
-)
-_LIB.define(f"save(Tensor t, Tensor? scope, {_PORT} port, int tokens_per_row) -> Tensor")
-_LIB.define(
-    f"load(Tensor ticket, {_PORT} port, SymInt[] shape, ScalarType dtype, Device device) -> Tensor"
-)
-_LIB.define(f"flag_add(Tensor value, {_PORT} port, int flag) -> Tensor")
-_LIB.define(f"host_call(Tensor? t, {_CALL} call, int[] args) -> Tensor")
+    "int max_num_tokens, int avg_num_tokens, bool grad_enabled) -> Tensor",
+    f"save(Tensor t, Tensor? scope, {_PORT} port, int tokens_per_row) -> Tensor",
+    f"load(Tensor ticket, {_PORT} port, SymInt[] shape, ScalarType dtype, Device device) -> Tensor",
+    f"flag_add(Tensor value, {_PORT} port, int flag) -> Tensor",
+    f"host_call(Tensor? t, {_CALL} call, int[] args) -> Tensor",
+):
+    _LIB.define(_schema, tags=_UNSAFE)
 
 
 def _done() -> torch.Tensor:

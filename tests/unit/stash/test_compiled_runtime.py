@@ -294,3 +294,55 @@ def test_a_step_that_pages_says_nothing_and_the_record_carries_the_cause(caplog)
     model.zero_grad()
     _, rec = runner.step(step_fn(model, 2))
     assert rec.paged_nothing is None
+
+
+# --------------------------------------------------- GroupedLinear on its own, scope inside or out
+
+
+def _linear_run(where: str, paged: bool) -> tuple[list[torch.Tensor], object]:
+    """Two steps of one bias-less GroupedLinear in bf16, compiled with the scope inside the
+    compiled function (``traced``) or opened eagerly around it (``eager``)."""
+    from te_paged.grouped import GroupedLinear
+
+    torch.manual_seed(0)
+    linear = GroupedLinear(4, 32, 48, bias=False, params_dtype=torch.bfloat16)
+    manager = PagedStashManager(page_size=8, skip_immediate_backward=False) if paged else None
+    splits = torch.tensor([5, 0, 17, 9])
+    n = splits.sum().reshape(1)
+
+    def traced(x):
+        if manager is None:
+            return linear(x, splits)
+        with manager.scope(ROWS, n, ROWS // 2):
+            return linear(x, splits)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(traced if where == "traced" else linear, backend=BACKEND,
+                             fullgraph=True)  # fmt: skip
+    out = []
+    for step in range(2):
+        if manager is not None:
+            manager.reset()
+        x = torch.randn(ROWS, 32, generator=torch.Generator().manual_seed(step))
+        x = x.bfloat16().requires_grad_()
+        if where == "traced" or manager is None:
+            y = compiled(x) if where == "traced" else compiled(x, splits)
+        else:
+            with manager.scope(ROWS, n, ROWS // 2):
+                y = compiled(x, splits)
+        y.float().square().sum().backward()
+        out.append([y.detach(), x.grad, linear.weight0.grad.clone()])
+        linear.zero_grad(set_to_none=True)
+    return out, manager
+
+
+@pytest.mark.parametrize("where", ["traced", "eager"])
+def test_grouped_linear_compiled_pages_its_input_with_the_scope_inside_or_around(where) -> None:
+    """The device-initiated GroupedLinear on its own: its saved input paged whether the scope
+    opens inside the compiled function or eagerly around it (the compiled function was traced
+    inside that scope: it pages into it)."""
+    on, manager = _linear_run(where, True)
+    off, _ = _linear_run(where, False)
+    assert_bitwise(on, off)
+    stats = manager.stats()
+    assert stats.mode is StashMode.CAPTURED and (stats.stashes, stats.pops) == (1, 1)
