@@ -22,10 +22,6 @@ if [ ! -d "$inductor_cache/fxgraph" ]; then
   OMP_NUM_THREADS=1 nice -n 10 "$PY" -m pytest -q -p no:cacheprovider \
     tests/unit/grouped/test_weighted_activation.py >"$warm_dir/activations.log" 2>&1 &
   warm_compile+=($!)
-  OMP_NUM_THREADS=1 nice -n 10 "$PY" -m pytest -q -p no:cacheprovider -k inductor \
-    tests/unit/stash/test_compiled.py tests/unit/moe/test_compiled_layer.py \
-    >"$warm_dir/stash.log" 2>&1 &
-  warm_compile+=($!)
 fi
 "$PY" -m pip install -q --disable-pip-version-check -e ".[test]"
 source scripts/torchtitan.sh  # torchtitan 0.3.0, for its integration tests
