@@ -471,7 +471,7 @@ class PagedStashManager(PoolAllocation, Packing, StashReporting):
         Under ``torch.compile`` the block's autograd functions page their own saved tensors
         and the scope opens and closes as ops of the graph (:mod:`te_paged.kernels.compiled`).
         """
-        if not self.enabled:
+        if self._disabled_depth:
             return contextlib.nullcontext()
         self._check_scope_args(max_num_tokens, num_tokens, avg_num_tokens, layer)
         if torch.compiler.is_compiling():
@@ -480,9 +480,9 @@ class PagedStashManager(PoolAllocation, Packing, StashReporting):
                 self._port, site, max_num_tokens, num_tokens.reshape(1), avg_num_tokens,
                 -1 if number is None else number,
             )  # fmt: skip
-        if isinstance(layer, StashSite):
+        if type(layer) is StashSite:
             layer = layer.layer
-        return self._eager_scope(max_num_tokens, num_tokens, avg_num_tokens, layer)
+        return _EagerScope(self, (max_num_tokens, num_tokens, avg_num_tokens, layer))
 
     def _check_scope_args(self, max_num_tokens, num_tokens, avg_num_tokens, layer) -> None:
         if not isinstance(num_tokens, torch.Tensor) or num_tokens.numel() != 1:
@@ -494,22 +494,6 @@ class PagedStashManager(PoolAllocation, Packing, StashReporting):
         require_int("avg_num_tokens", avg_num_tokens, minimum=0)
         if layer is not None and not isinstance(layer, StashSite):
             require_int("layer", layer, minimum=0)
-
-    @contextlib.contextmanager
-    def _eager_scope(self, max_num_tokens, num_tokens, avg_num_tokens, layer) -> Iterator[None]:
-        if not self._open_scope(max_num_tokens, num_tokens, avg_num_tokens, layer):
-            try:
-                yield
-            finally:
-                self._close_scope()
-            return
-        push_scope_port(self._port)  # a function compiled inside this block pages through it
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                yield
-        finally:
-            pop_scope_port()
-            self._close_scope()
 
     def _open_scope(
         self,
@@ -607,7 +591,7 @@ class PagedStashManager(PoolAllocation, Packing, StashReporting):
             "size until their backward, above what the pools were sized for. Run every step "
             "with the capture step's schedule, or set skip_immediate_backward=False.",
             RuntimeWarning,
-            stacklevel=5,
+            stacklevel=4,
         )
 
     def _check_device(self, name: str, t: torch.Tensor) -> None:
@@ -641,6 +625,35 @@ class PagedStashManager(PoolAllocation, Packing, StashReporting):
         )
 
     # ------------------------------------------------------------------------------ reporting
+
+
+class _EagerScope:
+    """:meth:`PagedStashManager.scope` in eager mode: the scope opened, its hooks installed and
+    its port pushed (a function compiled inside the block pages through it); a class, not a
+    generator: a layer opens one a step, and this is the host path of every one."""
+
+    __slots__ = ("_args", "_hooks", "_manager")
+
+    def __init__(self, manager: PagedStashManager, args: tuple) -> None:
+        self._manager, self._args, self._hooks = manager, args, None
+
+    def __enter__(self) -> None:
+        manager = self._manager
+        if not manager._open_scope(*self._args):
+            return
+        hooks = torch.autograd.graph.saved_tensors_hooks(manager._pack, manager._unpack)
+        hooks.__enter__()
+        self._hooks = hooks
+        push_scope_port(manager._port)
+
+    def __exit__(self, *exc: object) -> bool:
+        try:
+            if self._hooks is not None:
+                pop_scope_port()
+                self._hooks.__exit__(*exc)
+        finally:
+            self._manager._close_scope()
+        return False
 
 
 def _note_optimizer_step(ref: weakref.ref, optimizer: object, args: object, kwargs: object) -> None:
