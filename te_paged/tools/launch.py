@@ -15,6 +15,7 @@ removed.
 from __future__ import annotations
 
 import json
+import multiprocessing.util
 import os
 import pickle
 import shutil
@@ -209,7 +210,12 @@ def _entry(
     # Done, result written (rank 0) after the run's final barrier. Leave without the
     # interpreter's teardown: under load, gloo's native threads were seen to abort a spawned
     # rank at exit ("terminate called without an active exception"), failing a complete run.
+    # What the skipped teardown would have released must still be: multiprocessing's own
+    # finalizers unlink the named semaphores this rank created (torch.fx's interpreter builds
+    # a tqdm bar under torch.compile, and tqdm's lock is one), else the parent's
+    # resource_tracker warns of leaked semaphores at exit.
     watchdog.stop()
+    multiprocessing.util._run_finalizers(0)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
