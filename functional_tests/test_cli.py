@@ -89,6 +89,11 @@ AB_TORCHTITAN = ab_launch("ab torchtitan", "--engine", "torchtitan")
 AB_COMPILED = ab_launch(
     "ab compiled", "--compile", "aot_eager", "--nproc", "2", "--layers", "4", "--tokens", "256"
 )  # fmt: skip
+# A variable-length schedule (steps by commas, a step's microbatches by +), then the same with
+# its maximum declared.
+_SCHEDULE = ["--nproc", "2", "--layers", "2", "--tokens", "128+128,512+128,256+64,512+512,64+512"]
+AB_VARIABLE = ab_launch("ab variable", *_SCHEDULE)
+AB_DECLARED = ab_launch("ab declared", *_SCHEDULE, "--max-tokens-per-rank", "512")
 _SMALL_MEGATRON = ["--hidden", "64", "--ffn", "128", "--seq-length", "32"]
 # Megatron's HybridModel under Megatron's own PagedStashRunner (as pretrain() drives it).
 AB_MEGATRON_RERUNS = ab_launch(
@@ -544,6 +549,34 @@ def test_ab_compiled_is_bitwise_pages_and_saves_memory(launches) -> None:
     assert all("profiler" in r["memory_method"] for r in data["ranks"])
     memory = data["memory"]
     assert memory["saving_bytes"] > 0 and memory["S_bytes"] > 0, memory
+
+
+@pytest.mark.launch(AB_VARIABLE, AB_DECLARED)
+def test_ab_variable_length_reruns_once_per_new_maximum_and_none_declared(launches) -> None:
+    """``--tokens 128+128,512+128,...`` (two microbatches a step, their lengths varying):
+    bitwise every step; one rerun, at the first step with a 512-token microbatch, whose pools
+    grow and hold every later step; with the maximum declared, none. The
+    table shows each step's microbatches, its rerun and pool growth; the memory is measured on
+    a step of the largest microbatch and saves."""
+    for launch, reruns in ((AB_VARIABLE, [1]), (AB_DECLARED, [])):
+        proc, js = launches.result(launch)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        assert "| step | microbatches | largest, any rank | attempt | pool pages |" in proc.stdout
+        assert "| 2 (paged) | 256 + 64 | 256 | 1 |" in proc.stdout, proc.stdout
+        data = check_record(js)
+        schedule = [[128, 128], [512, 128], [256, 64], [512, 512], [64, 512]]
+        assert data["config"]["token_schedule"] == schedule
+        assert all(all(r["grads_equal"]) for r in data["ranks"])
+        on = data["ranks"][0]["on"]
+        assert [i for i, s in enumerate(on) if s["attempt"] == 2] == reruns, proc.stdout
+        assert [s["record"]["microbatch_tokens"] for s in on] == data["config"]["token_schedule"]
+        if reruns:
+            growth = on[1]["record"]["pool_growth"]
+            assert growth and all(g["why"] == "overflow" for g in growth.values())
+            assert f"{next(iter(growth.values()))['to']} (" in proc.stdout
+        memory = data["memory"]
+        assert memory["step"] in (3, 4) and memory["saving_bytes"] > 0, memory
+    assert "declared maximum 512" in launches.result(AB_DECLARED)[0].stdout
 
 
 @pytest.mark.launch(AB_MEGATRON_RERUNS)

@@ -39,7 +39,15 @@ import traceback
 from pathlib import Path
 
 from te_paged._lazy import torch_installed
-from te_paged.tools.argtypes import MEGATRON_ALIASES, OneLineParser, factor, integer, knob, real
+from te_paged.tools.argtypes import (
+    MEGATRON_ALIASES,
+    OneLineParser,
+    factor,
+    integer,
+    knob,
+    real,
+    token_schedule,
+)
 
 __all__ = ["MEGATRON_ALIASES", "main"]
 
@@ -99,7 +107,17 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
     )
     if engines and j.tokens != d.tokens:
         megatron_note += f"; jax engine {j.tokens}"
-    g.add_argument("--tokens", type=integer(1), help=f"tokens per rank ({d.tokens}{megatron_note})")
+    if engines:
+        g.add_argument(
+            "--tokens",
+            type=token_schedule,
+            metavar="N[,N...]",
+            help=f"tokens per rank ({d.tokens}{megatron_note}); a variable-length schedule on "
+            "the default engine: steps separated by commas, a step's microbatches by + (e.g. "
+            "256,1024,512 or 256+256,1024+128), the list repeated over --steps",
+        )
+    else:
+        g.add_argument("--tokens", type=integer(1), help=f"tokens per rank ({d.tokens})")
     knob(
         g,
         "--capacity-factor",
@@ -188,6 +206,14 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
         "capture step, an overflow, or a step that left less headroom (default: on); "
         "--no-grow-pool keeps the pools as the buffer factors size them (the jax engine "
         "too: its first step plays the capture step)",
+    )
+    g.add_argument(
+        "--max-tokens-per-rank",
+        type=integer(1),
+        metavar="N",
+        help="moe_max_tokens_per_rank: the largest microbatch any step brings, "
+        "declared up front, so that the capture step sizes the pools for it and no larger "
+        "step reruns (default: none; the pools grow at each new maximum; default engine)",
     )
     g.add_argument(
         "--grow-capacity",

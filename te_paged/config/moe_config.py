@@ -175,6 +175,12 @@ class MoEConfig:
     # Keep unpaged the tensors of the layer whose backward follows its forward at once
     # (PagedStashManager's skip_immediate_backward).
     moe_paged_stash_skip_immediate_backward: bool = True
+    # The largest microbatch of any step, in tokens per rank entering the MoE layers (None: not
+    # declared). The paged stash sizes its pools for it from the capture step
+    # (PagedStashManager's max_tokens_per_rank; undeclared, the runner grows them at each new
+    # maximum), and te_paged's dispatcher its static buffers (a smaller microbatch is padded:
+    # the ranks of an expert-parallel group may then bring different token counts).
+    moe_max_tokens_per_rank: int | None = None
 
     def __post_init__(self) -> None:
         # Normalise what construction was given (frozen: through object.__setattr__, here only).
@@ -292,6 +298,9 @@ class MoEConfig:
             if not _is_int(value) or value <= 0:
                 problems.append(f"{name} must be a positive int; got {value!r}")
                 bad = True
+        most = self.moe_max_tokens_per_rank
+        if most is not None and (not _is_int(most) or most <= 0):
+            problems.append(f"moe_max_tokens_per_rank must be None or a positive int; got {most!r}")
         if bad:
             return  # the relations below would only repeat the same problem
         experts, ep = self.num_moe_experts, self.expert_model_parallel_size

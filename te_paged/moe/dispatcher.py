@@ -79,6 +79,10 @@ class _FromConfig:
 FROM_CONFIG = _FromConfig()
 
 
+#: :attr:`StaticBudgetDispatcher.peak_pair_share`'s unit: a share of one is a pair demand of
+#: exactly the balanced ``N·K / P`` rows.
+SHARE_ONE = 1_000_000
+
 #: ``rank_budget(num_tokens, capacity_factor) -> rows``: a rank's static budget before it is
 #: split into pair budgets (default: :meth:`MoEConfig.max_num_tokens`).
 RankBudget = Callable[[int, float], int]
@@ -151,6 +155,18 @@ def _traffic_counter(dispatcher: StaticBudgetDispatcher):
         ref()._add_traffic(routed, sent, row_bytes)
 
     return add
+
+
+def _token_noter(dispatcher: StaticBudgetDispatcher):
+    """``dispatcher.step_num_tokens.append``, holding the dispatcher weakly; a dispatch that
+    runs again inside backward (activation recomputation) is not a new microbatch."""
+    ref = weakref.ref(dispatcher)
+
+    def note(_: torch.Tensor | None, num_tokens: int) -> None:
+        if torch._C._current_graph_task_id() == -1:
+            ref().step_num_tokens.append(num_tokens)
+
+    return note
 
 
 def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -228,6 +244,10 @@ class StaticBudgetDispatcher(nn.Module):
     * ``peak_pair_tokens``: the most assignments this rank wanted to send to one rank, to
       compare with ``pair_capacity`` (host int ``C``); :meth:`fitting_capacity_factor` turns
       it into the smallest capacity factor that would have fitted;
+    * ``peak_pair_share``: the same relative to its dispatch's balanced pair count, in
+      millionths (:data:`SHARE_ONE`): ``peak_pair_tokens x P / (N x K)`` of the dispatch that
+      asked most, whatever the sizes of the others: what a factor must hold when the
+      microbatches' token counts vary (a variable-length workload, or a declared maximum);
     * ``invalid_indices``: dispatches with an expert id outside ``[0, num_moe_experts)`` (those
       assignments are dropped; the runner refuses the step);
     * ``dropless_bytes``: the bytes a dropless exchange of the same routing would have moved
@@ -293,8 +313,21 @@ class StaticBudgetDispatcher(nn.Module):
         self._dropless_depth = 0  # open dropless_block()s
         self.budget_tokens = 0
         self.pair_capacity = 0
+        #: The tokens per rank the last static dispatch was sized for: its local count, or
+        #: :attr:`max_tokens_per_rank` where that is larger (what the budgets are relative to).
         self.last_num_tokens = 0
+        #: The declared largest microbatch (``moe_max_tokens_per_rank``): the static sizes are
+        #: those of a microbatch that large whatever the local count, so every rank of the
+        #: group sends blocks of one size (None: sized from each dispatch's own count, which
+        #: must then be the same on every rank of the group).
+        self.max_tokens_per_rank: int | None = getattr(cfg, "moe_max_tokens_per_rank", None)
+        #: The local token count of each forward dispatch since :meth:`reset_traffic` (host
+        #: ints, no read; a recomputation inside backward is not counted): the first layer's
+        #: are the step's microbatches, which the runner records.
+        self.step_num_tokens: list[int] = []
+        self._noting = HostCall(_token_noter(self))
         counters = ("over_budget", "dropped_tokens", "peak_tokens", "peak_pair_tokens",
+                    "peak_pair_share",
                     "invalid_indices", "dropless_bytes")  # fmt: skip
         for name in counters:
             zero = torch.zeros((), dtype=torch.int64, device=device)
@@ -353,6 +386,7 @@ class StaticBudgetDispatcher(nn.Module):
         """Zero the device counters of the flags in place (allocation-free, sync-free); the
         byte counts are :meth:`reset_traffic`'s."""
         for t in (self.over_budget, self.dropped_tokens, self.peak_tokens, self.peak_pair_tokens,
+                  self.peak_pair_share,
                   self.invalid_indices):  # fmt: skip
             t.zero_()
 
@@ -363,6 +397,12 @@ class StaticBudgetDispatcher(nn.Module):
         if sent:
             self.bytes_sent = 0
         self.dropless_bytes.zero_()
+        self.step_num_tokens.clear()
+
+    def note_tokens(self, num_tokens: int) -> None:
+        """A forward dispatch of ``num_tokens`` local tokens, for :attr:`step_num_tokens`
+        (under torch.compile an op of the graph, run when the graph runs)."""
+        host_call(self._noting, None, num_tokens)
 
     def _count(self, t: torch.Tensor, routed: torch.Tensor | None) -> None:
         """One exchange of ``t``: its bytes sent, and ``routed`` rows of it for the dropless
@@ -501,12 +541,14 @@ class StaticBudgetDispatcher(nn.Module):
         demand_P = cum_AP[-1]
 
         dropless = self.dropless
+        sized = max(n, self.max_tokens_per_rank or 0)  # the tokens the static sizes are for
         if dropless:
             cap = self._dropless_capacity(demand_P)
         else:
-            self.budget_tokens, cap = self._sizes(n)
+            self.budget_tokens, cap = self._sizes(sized)
             self.pair_capacity = cap
-        self.last_num_tokens = n
+        self.last_num_tokens = sized
+        self.note_tokens(n)
         rows = p * cap
         routed = a - unsent_A.sum()  # what a dropless, variable-split exchange would send
         keep_A = (pos_A < cap) & ~unsent_A
@@ -516,6 +558,10 @@ class StaticBudgetDispatcher(nn.Module):
             self.dropped_tokens.add_(dropped)
             self.over_budget.add_((dropped > 0).to(torch.int64))
         torch.maximum(self.peak_pair_tokens, demand_P.max(), out=self.peak_pair_tokens)
+        balanced = max(1, n * k)  # this dispatch's balanced assignments, over p pairs
+        share = torch.div(demand_P.max() * (p * SHARE_ONE) + (balanced - 1), balanced,
+                          rounding_mode="floor")  # fmt: skip
+        torch.maximum(self.peak_pair_share, share, out=self.peak_pair_share)
 
         # Inverse map: the assignment in each send slot, `a` (→ a zero row) for empty slots.
         # Only the dummy slot `rows` receives duplicate writes, and it is cut off.

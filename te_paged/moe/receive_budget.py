@@ -127,6 +127,7 @@ class ReceiveBudget(StaticBudgetDispatcher):
         ``total_recv_tokens``), the rows asked for before any drop, which ``peak_tokens``
         then holds. Device arithmetic only."""
         self.last_num_tokens = num_tokens
+        self.note_tokens(num_tokens)
         received = tokens_per_expert.sum().to(self.peak_tokens.device, torch.int64)
         asked = received if demanded is None else demanded.reshape(()).to(received.device)
         torch.maximum(self.peak_tokens, asked.to(torch.int64), out=self.peak_tokens)

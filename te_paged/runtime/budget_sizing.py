@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from te_paged.moe import StaticBudgetDispatcher
+from te_paged.moe.dispatcher import SHARE_ONE
 from te_paged.runtime.records import CapacityLimitError, StepRecord
 
 _RECEIVE_WHY = {
@@ -60,14 +61,23 @@ class BudgetSizing:
         wire = self._wire()
         if not self.grow_capacity or wire is None or not wire.last_num_tokens:
             return
-        n, peak = wire.last_num_tokens, record.peak_pair_tokens
+        n = wire.last_num_tokens
+        peak = self._pair_demand_at(wire, n, record.peak_pair_tokens)
         first = wire.wire_auto
         if first:  # at the expert factor, which holds whatever the expert buffer holds
+            # Compared as shares (one order with the absolute demands at one token count):
+            # the steps' microbatches may differ in size.
             self._auto_wire_seen += 1
-            settled = self._auto_wire_seen > 1 and peak <= self._auto_wire_peak
-            peak = self._auto_wire_peak = max(self._auto_wire_peak, peak)
+            share = self._pair_share
+            settled = self._auto_wire_seen > 1 and share <= self._auto_wire_share
+            self._auto_wire_share = max(self._auto_wire_share, share)
+            self._auto_wire_peak = max(self._auto_wire_peak, record.peak_pair_tokens)
+            self._auto_wire_varied |= self._varied
             if not settled and self._auto_wire_seen < self.auto_wire_steps:
                 return  # the demand still rises: the routers are learning
+            peak = self._auto_wire_peak
+            if self._auto_wire_varied:
+                peak = self._demand_from_share(wire, n, self._auto_wire_share)
             why = "warm-up"
         needed = wire.fitting_capacity_factor(n, peak)
         limit = self.max_capacity_factor
@@ -106,6 +116,19 @@ class BudgetSizing:
             + (", capped at the expert buffer's factor" if want == ceiling else "")
             + "); the next dispatch uses it",
         )
+
+    def _pair_demand_at(self, d: StaticBudgetDispatcher, n: int, peak_pair_tokens: int) -> int:
+        """The step's largest pair demand as a dispatch of ``n`` tokens per rank would ask it:
+        the demand itself where every dispatch had the token count its static sizes were for,
+        else from the step's largest share (a smaller microbatch asks a larger share)."""
+        if not self._varied:
+            return peak_pair_tokens
+        return self._demand_from_share(d, n, self._pair_share)
+
+    @staticmethod
+    def _demand_from_share(d: StaticBudgetDispatcher, n: int, share: int) -> int:
+        balanced = n * d.config.moe_router_topk
+        return -(-share * balanced // (d.ep_size * SHARE_ONE))
 
     def _check_capacity_limit(
         self, record: StepRecord, what: str, factor: str, needed: float, sizes: str

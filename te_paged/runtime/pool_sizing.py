@@ -1,6 +1,8 @@
 """How :class:`~te_paged.runtime.PagedStashRunner` sizes the stash pools after a step
-(``grow_pool``): never below the largest need seen × ``grow_headroom``, bounded by
-``max_pool_bytes`` (:class:`~te_paged.runtime.PoolLimitError`)."""
+(``grow_pool``): never below the largest need seen × ``grow_headroom``, bounded by the largest
+static peak of any step so far (a pool that large saves nothing; a larger microbatch has larger
+static buffers, so the bound follows a variable-length workload) and by ``max_pool_bytes``
+(:class:`~te_paged.runtime.PoolLimitError`)."""
 
 from __future__ import annotations
 
@@ -35,8 +37,9 @@ class PoolSizing:
     def _after_capture(self, record: StepRecord) -> None:
         """The capture step's observed peak is a need too: no pool starts below it
         (``grow_pool``); and the pools the next step allocates must fit ``max_pool_bytes``."""
+        self.capture_tokens = record.max_microbatch_tokens
         if self.grow_pool:
-            needs = {k: m.capture_peaks(k)[1] for m in self.managers for k in m.keys}
+            needs = {k: m.sizing_peaks(k)[1] for m in self.managers for k in m.keys}
             self._grow(record, needs, "capture")
         else:
             self._check_planned_pools(record)
@@ -114,13 +117,16 @@ class PoolSizing:
         self, record: StepRecord, needs: dict[StashKey, int], why: str, *, every: bool = False
     ) -> None:
         """Grow this rank's pools to ``needs`` (pages per key) times the headroom, never past
-        a key's static peak nor, with ``max_pool_bytes``, past the bound (the headroom is
-        dropped there); a pool already that large is left alone. Records and logs it."""
+        the largest static peak of a step so far (``manager.static_peak_pages``: the step that
+        needed them included) nor, with ``max_pool_bytes``, past the bound (the headroom is
+        dropped there); a pool already that large is left alone. Records it; logs it, except
+        after an overflow, whose rerun warning says it (:meth:`_pool_outcome`)."""
+        self._capped: list[str] = []
         for manager in self.managers:
             want = {}
             for key in manager.keys:
                 if key in needs:
-                    static = manager.capture_peaks(key)[2]
+                    static = manager.static_peak_pages(key)
                     want[key] = min(math.ceil(needs[key] * self.grow_headroom), static)
             if self.max_pool_bytes is not None:
                 total = sum(pages * self._page_bytes(k) for k, pages in want.items())
@@ -128,16 +134,17 @@ class PoolSizing:
                     want = {k: needs[k] for k in want}
             wanted = {k: pages for k, pages in want.items() if pages}
             grown = manager.grow(wanted, reallocate_all=every)
+            held = {k: b.num_pages for k, b in manager.buffers.items()}
+            self._capped += [  # needed more than held, yet held at the static bound: said
+                str(k) for k in want if k not in grown and needs[k] > held.get(k, needs[k])
+            ]
             for key, (old, new) in grown.items():
                 record.pool_growth[str(key)] = {
                     "from": old, "to": new, "needed": needs[key], "why": why,
                 }  # fmt: skip
         self._check_planned_pools(record)
-        if record.pool_growth:
-            pools = "; ".join(
-                f"{k} {g['from']} -> {g['to']} pages (needed {g['needed']})"
-                for k, g in record.pool_growth.items()
-            )
+        if record.pool_growth and why != "overflow":
+            pools = self._growth_text(record)
             self._log(
                 logging.INFO,
                 f"PagedStashRunner: step {record.step}: {_GROWTH_WHY[why]}, so the pools grow "
@@ -145,6 +152,38 @@ class PoolSizing:
                 f"{self._world()[0]}; an expert-parallel group's ranks take their largest); "
                 "allocated at the next step",
             )
+
+    @staticmethod
+    def _growth_text(record: StepRecord) -> str:
+        return "; ".join(
+            f"{k} {g['from']} -> {g['to']} pages (needed {g['needed']})"
+            for k, g in record.pool_growth.items()
+        )
+
+    def _pool_outcome(self, record: StepRecord) -> str:
+        """What the pools become after a step that overflowed, for its rerun warning: grown
+        (to how many pages), or not grown and why; never a growth that did not happen."""
+        if not self.grow_pool:
+            return "the pools stay as they are (grow_pool=False)"
+        if not record.enabled:
+            return "the pools stay as they are (the stash was off in the step)"
+        if record.pool_growth:
+            return (
+                f"the pools grow to this step's need x grow_headroom {self.grow_headroom:g} "
+                f"from the next step: {self._growth_text(record)} (rank {self._world()[0]}; "
+                "an expert-parallel group's ranks take their largest)"
+            )
+        if getattr(self, "_capped", None):
+            return (
+                f"the pools stay as they are: {', '.join(self._capped)} already hold the "
+                "largest static peak of any step, where paging saves nothing (rank "
+                f"{self._world()[0]})"
+            )
+        return (
+            f"rank {self._world()[0]}'s pools already hold what its step needed, so they stay "
+            "as they are here (the ranks that overflowed grow theirs; an expert-parallel "
+            "group's ranks take their largest)"
+        )
 
     def _grow_ahead(self, record: StepRecord, per_rank: list[_RankStats]) -> None:
         """After a step that kept its result with the stash, grow before anything overflows:

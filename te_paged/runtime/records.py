@@ -75,6 +75,10 @@ class StepRecord:
     # context, compiled code that saved nothing through te_paged, unmarked producers); None
     # when they paged (or opened no such scope).
     paged_nothing: str | None = None
+    # This rank's microbatches in the step, in forward order, tokens per rank each (its first
+    # MoE layer's dispatches), and the largest any rank had: variable-length workloads.
+    microbatch_tokens: list[int] = dataclasses.field(default_factory=list)
+    max_microbatch_tokens: int = 0
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

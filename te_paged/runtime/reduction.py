@@ -2,9 +2,10 @@
 fixed-length device vector, gathered by one ``all_reduce(SUM)`` and one host read.
 
 Slot layout (:data:`_SLOT` entries): ``[step, stage, invalid, overflow, overbudget, spill,
-peak_tokens, peak_pair_tokens]``, then per pool key ``(key code, pages, high-water pages,
-demanded pages, balanced pages)``, zero-padded to :data:`_MAX_KEYS` keys, so ranks whose
-pipeline stages hold different pools reduce vectors of one length.
+peak_tokens, peak_pair_tokens, max_microbatch_tokens, peak_pair_share, varied]``, then per pool
+key ``(key code, pages,
+high-water pages, demanded pages, balanced pages)``, zero-padded to :data:`_MAX_KEYS` keys,
+so ranks whose pipeline stages hold different pools reduce vectors of one length.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from te_paged.stash import StashKey
 from te_paged.stash.buffer import MAX_KEYS, key_code, key_from_code
 
 _FLAGS = 3  # per rank: stash overflow, over budget, host spill
-_HEAD = 8  # per rank: step, stage, invalid, the _FLAGS flags, peak tokens, peak pair tokens
+_HEAD = 11  # per rank: step, stage, invalid, the _FLAGS flags, peak tokens, peak pair tokens,
+# the largest microbatch (tokens per rank), the peak pair share, whether a dispatch's token count
+# differed from what its static sizes were for (the share then sizes the wire)
 _MAX_KEYS = MAX_KEYS  # pool keys (dtype, row width) a rank may hold: the reduction's fixed room
 _PER_KEY = 5  # per pool key: code, pages, high-water pages, demanded pages, balanced pages
 _SLOT = _HEAD + _PER_KEY * _MAX_KEYS  # one rank's entries in the per-step reduction
@@ -40,6 +43,9 @@ class _RankStats(NamedTuple):
     peak_tokens: int
     peak_pair_tokens: int
     pools: dict[StashKey, _PoolFigures]
+    max_tokens: int = 0  # the rank's largest microbatch of the step, tokens per rank
+    pair_share: int = 0  # peak pair demand over the balanced pair count, in SHARE_ONE units
+    varied: int = 0  # 1: a dispatch's token count was not the one its static sizes were for
 
     def demand(self) -> dict[StashKey, int]:
         """The pages each pool key's step needed at its peak."""
@@ -54,6 +60,12 @@ class StepReduction:
         if not (dist.is_available() and dist.is_initialized()):
             return 0, 1
         return dist.get_rank(self.group), dist.get_world_size(self.group)
+
+    def microbatch_tokens(self) -> list[int]:
+        """This rank's microbatches so far in the step, tokens per rank each: the forward
+        dispatches of its first dispatcher (the first MoE layer: one per microbatch; host ints,
+        no read)."""
+        return list(getattr(self.dispatchers[0], "step_num_tokens", ())) if self.dispatchers else []
 
     def _local_stats(self, device: torch.device) -> torch.Tensor:
         """This rank's slot, a device vector of :data:`_SLOT` entries whatever pools the rank
@@ -81,20 +93,28 @@ class StepReduction:
                 # Basic indexing: a list index would copy the index to the device first.
                 h = torch.stack([buf.state[State.HWM], buf.state[State.DEMAND_HWM]]).to(device)
                 hwm[key] = torch.maximum(hwm[key], h) if key in hwm else h
-                figures = (buf.num_pages, manager.capture_peaks(key)[0])
+                figures = (buf.num_pages, manager.sizing_peaks(key)[0])
                 const[key] = max(const.get(key, (0, 0)), figures)
-        over = peak = peak_pair = zero
+        over = peak = peak_pair = share = zero
         for d in self.dispatchers:
             over = over + (d.over_budget > 0).long().to(device)
             invalid = invalid + (d.invalid_indices > 0).long().to(device)
             peak = torch.maximum(peak, d.peak_tokens.to(device).long())
             peak_pair = torch.maximum(peak_pair, d.peak_pair_tokens.to(device).long())
+            if hasattr(d, "peak_pair_share"):
+                share = torch.maximum(share, d.peak_pair_share.to(device).long())
         for flag in self.participants.invalid_flags:
             invalid = invalid + (flag > 0).long().to(device)
         flags = [(overflow > 0).long(), (over > 0).long(), (spill > 0).long()]
-        step = torch.tensor([self.step_index, self.stage], dtype=torch.int64, device=device)
-        mine = [step, (invalid > 0).long().reshape(1), *(f.reshape(1) for f in flags)]
-        mine += [peak.reshape(1), peak_pair.reshape(1)]
+        varied = any(
+            n != d.last_num_tokens
+            for d in self.dispatchers
+            for n in getattr(d, "step_num_tokens", ())
+        )
+        head = [self.step_index, self.stage, max(self.microbatch_tokens(), default=0), int(varied)]
+        step = torch.tensor(head, dtype=torch.int64, device=device)  # one host-to-device copy
+        mine = [step[:2], (invalid > 0).long().reshape(1), *(f.reshape(1) for f in flags)]
+        mine += [peak.reshape(1), peak_pair.reshape(1), step[2:3], share.reshape(1), step[3:]]
         if hwm:  # (code, pages, hwm, demand, balanced): one host-to-device copy, no read
             host = [(key_code(k), *const[k]) for k in hwm]
             host = torch.tensor(host, dtype=torch.int64, device=device)
@@ -126,7 +146,11 @@ class StepReduction:
         for row in per_rank:
             keys = [row[i : i + _PER_KEY] for i in range(_HEAD, _SLOT, _PER_KEY)]
             pools = {key_from_code(k[0]): _PoolFigures(*k[1:]) for k in keys if k[0]}
-            stats.append(_RankStats(row[1], row[3 + _FLAGS], row[4 + _FLAGS], pools))
+            stats.append(
+                _RankStats(
+                    row[1], row[3 + _FLAGS], row[4 + _FLAGS], pools, *row[5 + _FLAGS : _HEAD]
+                )
+            )
         return flag_ranks, stats
 
     def _gather_rows(self, local: torch.Tensor, what: str) -> list[list[int]]:

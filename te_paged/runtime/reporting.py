@@ -40,28 +40,61 @@ class Reporting:
             )
         if spill:
             why.append(f"host spill on rank(s) {spill}")
-        expert_fit = record.suggested_capacity_factor
-        held = [getattr(d, "capacity_factor", None) for d in self.dispatchers]
-        held = [f for f in held if f is not None]
-        if expert_fit is not None and held and expert_fit <= min(held):
-            expert_fit = None  # the expert buffer held it: the wire was the limit
-        suggested = {
-            self._factor_name(): expert_fit,
-            "moe_paged_stash_buffer_size_factor_cuda": record.suggested_buffer_size_factor_cuda,
-        }
-        fits = [f"{name} >= {value}" for name, value in suggested.items() if value is not None]
+        fits = [self._fits_text(self._suggestions(record))] if self._suggestions(record) else []
         if record.capacity_growth:
             growth = record.capacity_growth
             fits.append(f"{growth['factor']} {growth['to']:g}, which it now has")
-        growing = self.grow_pool and bool(overflow)
         return (
             f"PagedStashRunner: step {record.step} reruns dropless without the paged stash "
             f"({world} rank(s): {'; '.join(why)}); its result equals a run without the stash. "
             f"Fallback {self.consecutive_fallbacks} of {self.max_consecutive_fallbacks} allowed "
             "in a row before FallbackLimitError; would have fitted: "
             + (", ".join(fits) or "unknown (no dispatcher reports token counts)")
-            + ("; the pools grow to what this step needed (grow_pool)" if growing else "")
+            + (f"; {self._pool_outcome(record)}" if overflow else "")
         )
+
+    def _suggestions(self, record: StepRecord) -> list[tuple[str, float | int, str]]:
+        """``(setting, value, note)`` of what would have fitted the step: the expert buffer's
+        factor (where it, not the wire, was the limit), the pool factor with the microbatch
+        size it is relative to, and, where the step brought a larger microbatch than the pools
+        were sized for, the declared maximum that would have sized them for it (an
+        alternative to the pool factor)."""
+        expert_fit = record.suggested_capacity_factor
+        held = [getattr(d, "capacity_factor", None) for d in self.dispatchers]
+        held = [f for f in held if f is not None]
+        if expert_fit is not None and held and expert_fit <= min(held):
+            expert_fit = None  # the expert buffer held it: the wire was the limit
+        fits = [] if expert_fit is None else [(self._factor_name(), expert_fit, "")]
+        pool_fit = record.suggested_buffer_size_factor_cuda
+        declared = max((m.max_tokens_per_rank or 0 for m in self.managers), default=0)
+        sized_for = declared or self.capture_tokens
+        if pool_fit is not None:
+            relative = (
+                f" (x the balanced peak of a microbatch of {sized_for} tokens per rank, "
+                + ("the declared maximum)" if declared else "the capture step's largest)")
+                if sized_for
+                else ""
+            )
+            fits.append(("moe_paged_stash_buffer_size_factor_cuda", pool_fit, relative))
+        tokens = record.max_microbatch_tokens
+        if record.stash_overflow_ranks and sized_for and tokens > sized_for:
+            fits.append((
+                "moe_max_tokens_per_rank", tokens,
+                " (this step's largest microbatch; "
+                + (f"{sized_for} declared)" if declared else f"the capture step's: {sized_for})"),
+            ))  # fmt: skip
+        return fits
+
+    @staticmethod
+    def _fits_text(fits: list[tuple[str, float | int, str]], verb: str = "") -> str:
+        """``fits`` as text: the pool factor and the declared maximum are alternatives."""
+        parts = [f"{name} {verb}>= {value}{note}" for name, value, note in fits]
+        declared = [p for p, f in zip(parts, fits) if f[0] == "moe_max_tokens_per_rank"]
+        rest = [p for p in parts if p not in declared]
+        if declared and rest:
+            rest[-1] = f"{rest[-1]} or {declared[0]}"
+            return " and ".join(rest)
+        return " and ".join(rest + declared)
 
     def _spill_message(self, record: StepRecord, ranks: list[int], world: int) -> str:
         fit = self._fitting_pool_factor(record)
@@ -83,8 +116,9 @@ class Reporting:
         # budget (HybridEP's) reports what it kept, so only its rerun can tell what it needed.
         d = self.dispatchers[0] if self.dispatchers else None
         if record.overbudget_ranks and d is not None and not getattr(d, "receive_budget", False):
+            peak = self._pair_demand_at(d, d.last_num_tokens, peak_pair_tokens)
             fit = d.fitting_capacity_factor(
-                d.last_num_tokens, math.ceil(peak_pair_tokens * _MARGIN), expert_buffer=True
+                d.last_num_tokens, math.ceil(peak * _MARGIN), expert_buffer=True
             )
             record.suggested_capacity_factor = fit
         if record.stash_overflow_ranks:

@@ -134,13 +134,20 @@ class PagedStashRunner(StepReduction, PoolSizing, BudgetSizing, Reporting):
     ``restorables`` adds objects outside the model (see :mod:`te_paged.runtime.step_state`).
     ``compiled`` (default: found in the model, see :meth:`compiled`) says the step runs
     torch.compile'd code, which changes how a rerun runs and is measured.
+    ``max_tokens_per_rank`` declares the largest microbatch of any step, in tokens per rank
+    (``MoEConfig.moe_max_tokens_per_rank``, which the layers' managers and te_paged's
+    dispatchers also read): the stash managers size their pools for it from the capture step,
+    and te_paged's dispatchers their static buffers, so a variable-length run never reruns
+    for a larger microbatch and the ranks of a group may bring different token counts
+    (docs/choosing-factors.md, "Variable-length workloads").
 
     Pool sizing (docs/choosing-factors.md): with ``grow_pool`` (the default) every pool keeps
     at least the largest need seen times ``grow_headroom`` (routing varies from step to step):
     the capture step's observed peak, the pages a step that overflowed needed
     (``StepRecord.pool_demand_pages``; it grows once, after the rerun), and those of a step that
-    left less than the headroom free (no rerun); never past the capture step's static peak (a
-    pool that large saves nothing). The next step allocates a grown pool. ``grow_pool=False``
+    left less than the headroom free (no rerun); never past the largest static peak of any
+    step so far (a pool that large saves nothing; it follows a workload whose microbatches
+    grow). The next step allocates a grown pool. ``grow_pool=False``
     keeps the pools as the factors size them. The ranks of each expert-parallel group agree on
     pool sizes at allocation (the manager's ``pool_group``: one collective per allocation);
     ``per_rank_pools`` lets each rank size its own. ``max_pool_bytes`` bounds one rank's device
@@ -181,6 +188,7 @@ class PagedStashRunner(StepReduction, PoolSizing, BudgetSizing, Reporting):
         timeout: datetime.timedelta | None = None,
         restorables: Iterable[object] = (),
         compiled: bool | None = None,
+        max_tokens_per_rank: int | None = None,
     ) -> None:
         require_int("keep_records", keep_records, minimum=0)
         if compiled is not None:
@@ -201,6 +209,9 @@ class PagedStashRunner(StepReduction, PoolSizing, BudgetSizing, Reporting):
         self.auto_wire_steps = auto_wire_steps
         self._auto_wire_seen = 0  # training steps an auto wire has watched
         self._auto_wire_peak = 0  # their largest pair demand
+        self._auto_wire_share = 0  # and share (their microbatches' sizes may differ)
+        self._auto_wire_varied = False
+        self._pair_share, self._varied = 0, False  # the last reduced step's (_record)
         self._receive_pending = False  # a receive budget to size after the rerun
         if max_pool_bytes is not None:
             require_int("max_pool_bytes", max_pool_bytes, minimum=1)
@@ -239,6 +250,9 @@ class PagedStashRunner(StepReduction, PoolSizing, BudgetSizing, Reporting):
             for manager in self.managers:
                 if manager.pool_group is None and ep_groups:
                     manager.pool_group = ep_groups[0]
+        #: The capture step's largest microbatch, tokens per rank (max over ranks): what the
+        #: pools were sized for, unless a maximum was declared.
+        self.capture_tokens = 0
         self.measure_fallback_memory = measure_fallback_memory
         self.consecutive_fallbacks = 0
         self._unrestored: list[str] = []  # buffers the last restore could not put back
@@ -264,6 +278,29 @@ class PagedStashRunner(StepReduction, PoolSizing, BudgetSizing, Reporting):
                 )
             for i, layer in enumerate(self.layers):
                 layer.router.register_forward_hook(functools.partial(self._on_route, i))
+        if max_tokens_per_rank is not None:
+            self._declare_max_tokens(max_tokens_per_rank)
+
+    def _declare_max_tokens(self, tokens: int) -> None:
+        """``max_tokens_per_rank`` on every manager, with the router's top-k from the
+        dispatchers' (or layers') config."""
+        configs = [d.config for d in self.dispatchers] + [
+            m.config
+            for c in self.chunks
+            for m in c.modules()
+            if hasattr(getattr(m, "config", None), "moe_router_topk")
+        ]
+        if not configs:
+            raise ValueError(
+                f"max_tokens_per_rank={tokens}: the runner found no MoE config with "
+                "moe_router_topk in the model to turn tokens into rows; declare it on the "
+                "manager (PagedStashManager(max_tokens_per_rank=..., router_topk=...))"
+            )
+        for manager in self.managers:
+            manager.declare_max_tokens_per_rank(tokens, configs[0].moe_router_topk)
+        for d in self.dispatchers:  # te_paged's static sizes, alike on every rank
+            if hasattr(d, "max_tokens_per_rank"):
+                d.max_tokens_per_rank = tokens
 
     @property
     def managers(self) -> list[PagedStashManager]:
@@ -409,6 +446,11 @@ class PagedStashRunner(StepReduction, PoolSizing, BudgetSizing, Reporting):
             for k, figures in r.pools.items():
                 hwm[str(k)] = max(hwm.get(str(k), 0), figures.high_water)
                 demand[str(k)] = max(demand.get(str(k), 0), figures.demand)
+        #: The step's pair demand relative to each dispatch's balanced count (max over ranks)
+        #: and whether any rank's microbatches differed from what the static sizes were for:
+        #: the wire is then sized from the share (budget_sizing).
+        self._pair_share = max((r.pair_share for r in per_rank), default=0)
+        self._varied = any(r.varied for r in per_rank)
         stages: dict[str, dict[str, int]] = {}
         if any(r.stage for r in per_rank):  # more than one pipeline stage
             for r in per_rank:
@@ -433,6 +475,8 @@ class PagedStashRunner(StepReduction, PoolSizing, BudgetSizing, Reporting):
             a2a_capacity_factor=None if wire is None else wire.a2a_capacity_factor,
             pair_capacity=0 if wire is None else wire.pair_capacity,
             peak_pair_tokens=max((r.peak_pair_tokens for r in per_rank), default=0),
+            microbatch_tokens=self.microbatch_tokens(),
+            max_microbatch_tokens=max((r.max_tokens for r in per_rank), default=0),
         )
 
     def _before_fallback(
@@ -449,26 +493,19 @@ class PagedStashRunner(StepReduction, PoolSizing, BudgetSizing, Reporting):
         overflow, overbudget = record.stash_overflow_ranks, record.overbudget_ranks
         if overflow and self.max_pool_bytes is not None and not forward_only:
             self._check_pool_bound(record, per_rank)
+        if self.grow_pool and overflow and record.enabled:  # before the warning, which says it
+            self._grow(record, per_rank[self._world()[0]].demand(), "overflow")
         if overbudget and not forward_only:
             self._size_capacity(record, "over budget")
         #: A receive budget went over: sized after the rerun (size_receive_after_rerun).
         self._receive_pending = bool(overbudget) and self.grow_capacity and not forward_only
         if self.consecutive_fallbacks >= self.max_consecutive_fallbacks and not forward_only:
-            fits = [
-                f"{name} to >= {value}"
-                for name, value in (
-                    (self._factor_name(), record.suggested_capacity_factor),
-                    (
-                        "moe_paged_stash_buffer_size_factor_cuda",
-                        record.suggested_buffer_size_factor_cuda,
-                    ),
-                )
-                if value is not None
-            ]
+            fits = self._fits_text(self._suggestions(record), "to ")
             raise FallbackLimitError(  # the exception is the report: nothing logged
                 f"{self.consecutive_fallbacks} consecutive steps needed the dropless "
                 f"fallback (stash overflow on {overflow} rank(s), over budget on "
-                f"{overbudget}): raise {' and '.join(fits) or 'the static budgets'}"
+                f"{overbudget}): raise {fits or 'the static budgets'} (what step "
+                f"{record.step} needed)"
             )
         if not forward_only:
             self.consecutive_fallbacks += 1
@@ -539,8 +576,6 @@ class PagedStashRunner(StepReduction, PoolSizing, BudgetSizing, Reporting):
         # The rerun's own flags (a static budget's are checked after it); the state restore
         # zeroes those of dispatchers inside the model, this every dispatcher's.
         self._zero_counters()
-        if self.grow_pool and record.stash_overflow_ranks and record.enabled:
-            self._grow(record, per_rank[self._world()[0]].demand(), "overflow")
         for manager in self.managers:
             manager.release()  # the pool and the dropless rerun never coexist
         self._route_calls.clear()  # the rerun routes the same tokens again: count them once

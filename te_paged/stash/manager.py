@@ -111,6 +111,15 @@ class PagedStashManager(PoolAllocation, Packing, StashReporting):
     :mod:`te_paged.stash.packing`): no copy into pages and straight back, and pools sized
     without them. Gradients are the same either way; :attr:`StashStats.stashes_skipped`
     counts the tensors kept.
+
+    ``max_tokens_per_rank`` (default ``None``) declares the largest microbatch, in tokens per
+    rank entering the MoE layers, that any step will bring (variable-length workloads: packed
+    sequences, RL rollouts, batching by token count); ``router_topk`` (required with it) turns
+    it into the rows a scope's tensors scale with (``avg_num_tokens`` is tokens x top-k). The
+    capture step then sizes the pools as if each of its tensors came from a microbatch that
+    large, so that no later step outgrows them. Without it the pools are sized from the capture
+    step's microbatches and a runner grows them at each new maximum
+    (docs/choosing-factors.md, "Variable-length workloads").
     """
 
     def __init__(
@@ -127,6 +136,8 @@ class PagedStashManager(PoolAllocation, Packing, StashReporting):
         reload_lookahead: int = 1,
         pool_group: dist.ProcessGroup | None = None,
         skip_immediate_backward: bool = True,
+        max_tokens_per_rank: int | None = None,
+        router_topk: int | None = None,
     ) -> None:
         page_size = require_int("page_size", page_size, minimum=1)
         if page_size > _MAX_PAGE_SIZE:
@@ -171,6 +182,12 @@ class PagedStashManager(PoolAllocation, Packing, StashReporting):
         self.stream_overlap = stream_overlap
         self.reload_lookahead = reload_lookahead
         self.skip_immediate_backward = skip_immediate_backward
+        self.max_tokens_per_rank: int | None = None
+        self._declared_tokens = 0  # max_tokens_per_rank x router_topk: the rows it scales to
+        # Paged steps' static pages per key: (live, peak) this step, and the largest peak of any
+        # step so far (te_paged.stash.pools: the bound of pool growth).
+        self._step_static: dict[StashKey, tuple[int, int]] = {}
+        self._static_seen: dict[StashKey, int] = {}
         # skip_immediate_backward (te_paged.stash.packing): the scopes the capture step found
         # immediate, by their place in the step's order; the scopes opened in this step; the
         # (index, layer) of the scope whose first pop would make it immediate (capture) or that
@@ -229,6 +246,8 @@ class PagedStashManager(PoolAllocation, Packing, StashReporting):
         # Device pages per key that grow() set: a pool is never allocated smaller again.
         self._floors: dict[StashKey, int] = {}
         self._reallocate: set[StashKey] = set()  # pools the next reset() allocates anew
+        if max_tokens_per_rank is not None:
+            self.declare_max_tokens_per_rank(max_tokens_per_rank, router_topk)
         handle = register_optimizer_step_post_hook(
             functools.partial(_note_optimizer_step, weakref.ref(self))
         )
@@ -259,7 +278,37 @@ class PagedStashManager(PoolAllocation, Packing, StashReporting):
                 "moe_paged_stash_skip_immediate_backward",
                 MoEConfig.moe_paged_stash_skip_immediate_backward,
             ),
+            # Nor this one (None there: sized from the capture step, grown by a runner).
+            max_tokens_per_rank=getattr(config, "moe_max_tokens_per_rank", None),
+            router_topk=(
+                config.moe_router_topk
+                if getattr(config, "moe_max_tokens_per_rank", None) is not None
+                else None
+            ),
         )
+
+    def declare_max_tokens_per_rank(self, tokens: int | None, router_topk: int | None) -> None:
+        """Declare (or, with ``None``, withdraw) the largest microbatch of any step, in tokens
+        per rank, with the router's top-k (see the class docstring). Before the capture step
+        only: it sizes the pools from what that step records."""
+        if tokens is None:
+            self.max_tokens_per_rank, self._declared_tokens = None, 0
+            return
+        tokens = require_int("max_tokens_per_rank", tokens, minimum=1)
+        if router_topk is None:
+            raise ValueError(
+                f"max_tokens_per_rank={tokens} needs router_topk (the router's top-k): a "
+                "scope's rows are tokens x top-k. PagedStashManager.from_config(config) "
+                "takes both from the config"
+            )
+        router_topk = require_int("router_topk", router_topk, minimum=1)
+        if self.mode is not StashMode.CAPTURE or self._peaks:
+            raise RuntimeError(
+                f"max_tokens_per_rank={tokens} declared after the capture step began: the "
+                "pools are sized from what it recorded. Declare it before the first step (on "
+                "the manager, the runner or MoEConfig.moe_max_tokens_per_rank)"
+            )
+        self.max_tokens_per_rank, self._declared_tokens = tokens, tokens * router_topk
 
     # ------------------------------------------------------------------------------ on / off
 
@@ -317,6 +366,7 @@ class PagedStashManager(PoolAllocation, Packing, StashReporting):
         self._capture_log.clear()
         self._stepped_since_reset = False
         self._live_rows.clear()
+        self._step_static.clear()
         self._step_counts.clear()
         if self.timeline is not None:
             self.timeline.clear()

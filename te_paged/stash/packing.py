@@ -19,6 +19,7 @@ capture step's warns once: the kept tensors are then held at their static size f
 from __future__ import annotations
 
 import dataclasses
+import math
 import weakref
 
 import torch
@@ -72,7 +73,7 @@ class _Captured:
 
     __slots__ = (
         "balanced", "dtype", "generation", "key", "max_rows", "reloaded", "rows", "rows_RH",
-        "scope_index", "shape",
+        "scale", "scope_index", "shape",
     )  # fmt: skip
 
     def __init__(self, **kw: object) -> None:
@@ -202,6 +203,7 @@ class Packing:
                 "appear in the first step, which sizes the pools; use a new manager for a model "
                 "whose stashed tensors change"
             )
+        self._count_static(key, max_rows, 1)
         pages_M = torch.empty(-(-max_rows // self.page_size), dtype=torch.int32, device=t.device)
         meta = torch.empty(META_LEN, dtype=torch.int64, device=t.device)
         args = (*buffer.kernel_args(), self.flags, pages_M, meta)
@@ -279,7 +281,14 @@ class Packing:
             rows = min(max(rows, 0), max_rows)
         self._capture_bytes += rows * key.hidden * rows_RH.element_size()
         balanced = min(max_rows, -(-scope.avg_num_tokens // kind.tokens_per_row))
+        # A declared max_tokens_per_rank: this tensor as a microbatch of that many tokens would
+        # make it (its rows scale with the tokens; avg_num_tokens is tokens x top-k).
+        declared = self._declared_tokens
+        scale = (
+            max(1.0, declared / scope.avg_num_tokens) if declared and scope.avg_num_tokens else 1.0
+        )
         handle = _Captured(
+            scale=scale,
             key=key,
             max_rows=max_rows,
             rows=rows,
@@ -317,6 +326,13 @@ class Packing:
         peak.peak_balanced = max(peak.peak_balanced, peak.live_balanced)
         peak.peak_balanced_pages = max(peak.peak_balanced_pages, peak.live_balanced_pages)
         peak.peak_static_pages = max(peak.peak_static_pages, peak.live_static_pages)
+        scaled = (h.balanced, h.rows, h.max_rows)
+        live = tuple(
+            was + sign * -(-math.ceil(rows * h.scale) // self.page_size)
+            for was, rows in zip(peak.live_declared, scaled)
+        )
+        peak.live_declared = live
+        peak.peak_declared = tuple(map(max, peak.peak_declared, live))
 
     def _replay_capture(self) -> None:
         """Recount the capture step's pool peaks so far without the immediate scopes' tensors:
@@ -377,6 +393,7 @@ class Packing:
                     stash_pop(self.backend, out_RH, self.page_size, *args, self.zero_padding)
                 self._trace("pop", buffer, handle.meta)
                 handle.reloaded = out_RH.view(handle.dtype).view(handle.shape)
+                self._count_static(buffer.key, handle.max_rows, -1)
                 self._pops += 1
             return handle.reloaded
         if isinstance(handle, _Captured):
@@ -454,6 +471,7 @@ class Packing:
         if handle.group is not None:
             handle.group.handles.remove(handle)  # the look-ahead keeps no reload alive
         self._trace("pop", buffer, handle.meta)
+        self._count_static(buffer.key, handle.max_rows, -1)
         self._pops += 1
 
     # -------------------------------------------------- compiled graphs (te_paged.kernels.compiled)

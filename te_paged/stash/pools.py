@@ -29,6 +29,7 @@ from te_paged.stash.buffer import (
     key_from_code,
 )
 from te_paged.stash.sizing import describe_factor, pool_pages
+from te_paged.stash.stats import StashMode
 from te_paged.telemetry import nvtx_range
 
 logger = logging.getLogger("te_paged.stash.manager")  # the manager logs the pools
@@ -53,10 +54,16 @@ class _Peak:
     # the memory model prices (te_paged.tools.ab), counts every stashed layer.
     live_balanced_all: int = 0
     peak_balanced_all: int = 0
+    # With a declared max_tokens_per_rank: the same three page peaks (balanced, observed,
+    # static) with every tensor scaled to a microbatch of that many tokens, what the pools are
+    # sized from (PagedStashManager's docstring); equal to the above without one.
+    live_declared: tuple[int, int, int] = (0, 0, 0)
+    peak_declared: tuple[int, int, int] = (0, 0, 0)
 
     def clear_live(self) -> None:
         self.live_rows = self.live_pages = self.live_balanced = self.live_balanced_pages = 0
         self.live_static_pages = self.live_balanced_all = 0
+        self.live_declared = (0, 0, 0)
 
 
 class PoolAllocation:
@@ -72,8 +79,7 @@ class PoolAllocation:
         whole pages), not rows: a tensor always occupies whole pages, so a rows-based size
         undercounts whenever tensors are small against the page size.
         """
-        peak = self._peaks[key]
-        balanced, observed = peak.peak_balanced_pages, peak.peak_pages
+        balanced, observed, _ = self.sizing_peaks(key)
         dev = max(1, pool_pages(self.buffer_size_factor_cuda, balanced, observed))
         dev = max(dev, self._floors.get(key, 0))  # grown by grow(): never smaller again
         host = pool_pages(self.buffer_size_factor_cpu, balanced, observed)
@@ -86,6 +92,37 @@ class PoolAllocation:
         peak = self._peaks[key]
         return peak.peak_balanced_pages, peak.peak_pages, peak.peak_static_pages
 
+    def sizing_peaks(self, key: StashKey) -> tuple[int, int, int]:
+        """``(balanced, observed, static)`` peak pages the pools of ``key`` are sized from:
+        the capture step's (:meth:`capture_peaks`), or, with a declared
+        ``max_tokens_per_rank``, the capture step's with every tensor scaled to a microbatch of
+        that many tokens per rank."""
+        if self.max_tokens_per_rank is None:
+            return self.capture_peaks(key)
+        return self._peaks[key].peak_declared
+
+    def static_peak_pages(self, key: StashKey) -> int:
+        """The largest static peak of ``key`` so far, in pages: every live tensor at its
+        static buffer's rows, maximised over the capture step (:meth:`sizing_peaks`) and every
+        paged step since (a larger microbatch has larger static buffers). A pool this large
+        saves nothing over not stashing, the bound pool growth keeps to."""
+        return max(self.sizing_peaks(key)[2], self._static_seen.get(key, 0))
+
+    def step_static_pages(self) -> dict[StashKey, int]:
+        """This step's static peak per key (pages; paged steps: counted on the host at each
+        stash and pop; the capture step: its own)."""
+        if self.mode is StashMode.CAPTURE:
+            return {k: p.peak_static_pages for k, p in self._peaks.items()}
+        return {k: peak for k, (_, peak) in self._step_static.items()}
+
+    def _count_static(self, key: StashKey, max_rows: int, sign: int) -> None:
+        """A paged step's host count of live static pages (a stash ``sign`` 1, a pop -1)."""
+        live, peak = self._step_static.get(key, (0, 0))
+        live += sign * -(-max_rows // self.page_size)
+        self._step_static[key] = (live, max(peak, live))
+        if live > self._static_seen.get(key, 0):
+            self._static_seen[key] = live
+
     def scale_static_peaks(self, ratio: float) -> None:
         """The static buffers grew by ``ratio`` since the capture step (a runner raised a
         receive budget): so do the capture step's static peaks, the bound pool growth keeps
@@ -94,6 +131,8 @@ class PoolAllocation:
             for peak in self._peaks.values():
                 peak.peak_static_pages = math.ceil(peak.peak_static_pages * ratio)
                 peak.max_rows = math.ceil(peak.max_rows * ratio)
+                b, o, static = peak.peak_declared
+                peak.peak_declared = (b, o, math.ceil(static * ratio))
 
     @property
     def keys(self) -> list[StashKey]:
@@ -206,6 +245,13 @@ class PoolAllocation:
                 f"{self._peaks[b.key].peak_balanced_pages} balanced / "
                 f"{self._peaks[b.key].peak_pages} observed pages; buffer_size_factor_cuda "
                 f"{describe_factor(self.buffer_size_factor_cuda)}"
+                + (
+                    f", sized for max_tokens_per_rank={self.max_tokens_per_rank}: "
+                    f"{self.sizing_peaks(b.key)[0]} balanced / {self.sizing_peaks(b.key)[1]} "
+                    "observed pages"
+                    if self.max_tokens_per_rank is not None
+                    else ""
+                )
                 + (f", grown to at least {self._floors[b.key]}" if b.key in self._floors else "")
                 + f"{host})"
             )

@@ -172,16 +172,26 @@ def _run(
         grow_capacity=cfg.grow_capacity,
         measure_fallback_memory=False,
         record_routing=record_routing,  # a host read and a collective per step: OFF run only
+        max_tokens_per_rank=cfg.max_tokens_per_rank if paged else None,
     )
     steps, grads, method = [], [], NOT_MEASURED
     for step in range(cfg.steps):
-        x, target = make_batch(cfg, step, rank, device)
+        sizes = cfg.microbatches(step)
+        batches = [
+            make_batch(cfg, step, rank, device, tokens=n, microbatch=i) for i, n in enumerate(sizes)
+        ]
         model.zero_grad(set_to_none=False)  # gradients stay allocated: not part of the peak
 
-        def step_fn(x: torch.Tensor = x, target: torch.Tensor = target) -> torch.Tensor:
-            loss = model(x, target)
-            loss.backward()
-            return loss.detach()
+        def step_fn(batches: list = batches) -> torch.Tensor:
+            # Each microbatch's forward and backward in turn, gradients accumulating: the mean
+            # of their losses (one microbatch: the loss itself, as without a schedule).
+            total = None
+            for x, target in batches:
+                loss = model(x, target)
+                loss = loss / len(batches) if len(batches) > 1 else loss
+                loss.backward()
+                total = loss.detach() if total is None else total + loss.detach()
+            return total
 
         if model.manager is not None:
             # The first reset after the capture step allocates the pool: do it outside the
@@ -198,6 +208,11 @@ def _run(
         steps.append(
             step_result(loss, norm, record, meter.peak_bytes, capture, managers, runner.dispatchers)
         )
+        if cfg.token_schedule is not None and runner.capture_tokens:
+            # S of this step's microbatches: the balanced rows scale with the tokens (the peak
+            # is the largest microbatch's, each running its forward and backward in turn).
+            scale = record.max_microbatch_tokens / runner.capture_tokens
+            steps[-1].s_bytes = round(steps[-1].s_bytes * scale)
         if progress is not None:
             progress(f"{'ON ' if paged else 'OFF'} step {step + 1}/{cfg.steps}")
     return steps, grads, model, runner, method

@@ -54,6 +54,10 @@ def model_config(args: argparse.Namespace):
         cls = ModelConfig
     fields = {f.name for f in dataclasses.fields(cls) if f.init}
     kw = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    if isinstance(kw.get("tokens"), tuple):  # a variable-length schedule (default engine)
+        kw["token_schedule"] = kw["tokens"]
+        kw["tokens"] = max(max(step) for step in kw["tokens"])
+        kw.setdefault("steps", max(cls.steps, len(kw["token_schedule"])))
     if megatron or engine == "torchtitan":
         kw.pop("tokens", None)  # seq_length x micro_batch_size
     if megatron:
@@ -142,11 +146,14 @@ def _check_jax_args(args: argparse.Namespace) -> str | None:
         ("record_profile", "--record-profile"),
         ("activation_checkpoint", "--activation-checkpoint"),
         ("compile", "--compile (te_paged.jax is compiled by XLA already)"),
+        ("max_tokens_per_rank", "--max-tokens-per-rank"),
     ]
     refused += [(n, f"--{n.replace('_', '-')}") for n in _MEGATRON_ONLY if n != "ep"]
     given = [flag for name, flag in refused if getattr(args, name, None) not in (None, False)]
     if args.activation not in (None, "swiglu"):
         given.append("--activation")
+    if isinstance(args.tokens, tuple):
+        given.append("--tokens with a variable-length schedule")
     if getattr(args, "grow_capacity", None) is not None:
         given.append("--grow-capacity" if args.grow_capacity else "--no-grow-capacity")
     if getattr(args, "a2a_capacity_factor", None) is not None:
@@ -169,6 +176,7 @@ def _check_torchtitan_args(args: argparse.Namespace) -> str | None:
     """``--engine torchtitan``: what its model and torchtitan's Trainer take."""
     refused = [
         ("tokens", "--tokens"),
+        ("max_tokens_per_rank", "--max-tokens-per-rank"),
         ("fp8", "--fp8"),
         ("recompute", "--recompute"),
         ("op_fuser", "--op-fuser"),
@@ -219,6 +227,11 @@ def _check_compile(args: argparse.Namespace) -> str | None:
     """What ``--compile`` cannot take, said before any rank starts."""
     if args.compile is None:
         return None
+    if isinstance(args.tokens, tuple):
+        return (
+            "--tokens with a variable-length schedule and --compile: not yet (every new "
+            "microbatch size compiles the MoE blocks again); run the schedule eagerly"
+        )
     if args.recompute and not args.op_fuser:
         return (
             "--recompute with --compile needs --op-fuser: the unfused experts' moe_act "
@@ -256,10 +269,10 @@ def check_ab_args(args: argparse.Namespace) -> str | None:
                  (None, False)]  # fmt: skip
         if given:
             return f"{', '.join(given)}: only with --engine megatron"
-    elif args.tokens is not None:
+    elif args.tokens is not None or args.max_tokens_per_rank is not None:
         return (
-            "--tokens: not with --engine megatron, whose tokens per rank are --seq-length x "
-            "--micro-batch-size"
+            f"{'--tokens' if args.tokens is not None else '--max-tokens-per-rank'}: not with "
+            "--engine megatron, whose tokens per rank are --seq-length x --micro-batch-size"
         )
     elif args.fp8:
         return (

@@ -209,10 +209,16 @@ def _same(a: float, b: float) -> bool:
 
 def measured_step(steps: list[StepResult]) -> int | None:
     """The step the saving is measured on: the last whose kept attempt ran with the stash,
-    other than the capture step (which has no pool yet). ``None`` if there is none. Example:
+    other than the capture step (which has no pool yet), among those with the largest
+    microbatch (a variable-length run). ``None`` if there is none. Example:
     steps ``[capture, paged, fallback]`` → 1; ``[capture, fallback, fallback]`` → None."""
     kept = [i for i, s in enumerate(steps) if s.enabled and not s.capture]
-    return kept[-1] if kept else None
+    if not kept:
+        return None
+    # A variable-length run: the last of the kept steps with the largest microbatch (the run's
+    # peak memory is there; a pool sized for it costs more than it saves on a small step).
+    largest = max(steps[i].record.get("max_microbatch_tokens", 0) for i in kept)
+    return [i for i in kept if steps[i].record.get("max_microbatch_tokens", 0) == largest][-1]
 
 
 #: ``memory_method`` of a run none of whose steps was measured.
@@ -305,6 +311,53 @@ def _memory_row(m: dict, cfg: dict, layers: int, stage: int | None = None, reloa
     )
 
 
+def _pools_text(pages: dict[str, int]) -> str:
+    """Pool pages per key, keys of the same size said once."""
+    by_size: dict[int, list[str]] = {}
+    for key, n in pages.items():
+        by_size.setdefault(n, []).append(key)
+    return "; ".join(f"{n} ({', '.join(keys)})" for n, keys in by_size.items()) or "none"
+
+
+def _growth_text(growth: dict[str, dict]) -> str:
+    """``record.pool_growth``, keys that grew alike said once."""
+    alike: dict[tuple, list[str]] = {}
+    for key, g in growth.items():
+        alike.setdefault((g["from"], g["to"], g["needed"], g["why"]), []).append(key)
+    return (
+        "; ".join(
+            f"{a} -> {b} (needed {need}, {why}: {', '.join(keys)})"
+            for (a, b, need, why), keys in alike.items()
+        )
+        or "none"
+    )
+
+
+def _variable_length_rows(result: ABResult, r0: RankResult) -> list[str]:
+    """The ON run's steps of a variable-length schedule: microbatch sizes, rerun, pools."""
+    declared = result.config.get("max_tokens_per_rank")
+    return [
+        f"Variable-length steps, ON (rank {r0.rank}'s microbatches, tokens per rank; "
+        + (f"declared maximum {declared}" if declared else "no declared maximum")
+        + "): pool pages the step ran with, and their growth after it",
+        "",
+        "| step | microbatches | largest, any rank | attempt | pool pages | pools grow |",
+        "| ---: | :--- | ---: | ---: | :--- | :--- |",
+        *(
+            f"| {i} ({step_label(a)}) | {' + '.join(map(str, a.record['microbatch_tokens']))} "
+            f"| {a.record['max_microbatch_tokens']} | {a.attempt} "
+            f"| {_pools_text(a.record['pool_pages'])} | {_growth_text(a.record['pool_growth'])} |"
+            for i, a in enumerate(r0.on)
+        ),
+    ]
+
+
+def _which(counted: int, r0: RankResult, cfg: dict) -> str:
+    if cfg.get("token_schedule"):
+        return "the last step with the largest microbatch that ran with the stash"
+    return "the last step" if counted == len(r0.on) - 1 else "the last that ran with the stash"
+
+
 def format_table(result: ABResult) -> str:
     """A reviewer's table: per step (labelled with how ON ran: capture, paged, fallback) ON/OFF
     loss and grad norm, attempts and flags; then the memory of the measured step (per pipeline
@@ -325,6 +378,8 @@ def format_table(result: ABResult) -> str:
         )
     m = result.memory()
     cfg = result.config
+    if cfg.get("token_schedule"):
+        rows += ["", *_variable_length_rows(result, r0)]
     reloads = max(r.reload_layers for r in result.ranks)
     header = [
         "| peak ON (incl. pool) | peak OFF | pool | saving | predicted (cf − bf) × S "
@@ -342,7 +397,7 @@ def format_table(result: ABResult) -> str:
         counted = len(r0.on) - 1
     elif result.stages == 1:
         counted = m["step"]
-        which = "the last step" if counted == len(r0.on) - 1 else "the last that ran with the stash"
+        which = _which(counted, r0, cfg)
         rows += [
             "",
             f"Memory of step {counted} ({which}), {_over_ranks(result.world_size)} "
@@ -354,7 +409,7 @@ def format_table(result: ABResult) -> str:
         ]
     else:
         counted = m["step"]
-        which = "the last step" if counted == len(r0.on) - 1 else "the last that ran with the stash"
+        which = _which(counted, r0, cfg)
         rows += [
             "",
             f"Memory of step {counted} ({which}) per pipeline stage, lower median over the "

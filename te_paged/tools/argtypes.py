@@ -65,6 +65,27 @@ def integer(minimum: int, maximum: int | None = None):
     return parse
 
 
+def token_schedule(text: str) -> int | tuple[tuple[int, ...], ...]:
+    """An argparse type: tokens per rank, one count (``512``) or a variable-length schedule:
+    steps separated by commas, a step's microbatches by ``+`` (``256,1024,512``: one microbatch
+    a step; ``256+256,512+128``: two)."""
+    if "," not in text and "+" not in text:
+        return integer(1)(text)
+    steps = []
+    for step in text.split(","):
+        try:
+            sizes = tuple(int(n) for n in step.split("+"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected token counts like 256,1024 (steps) or 256+128 (a step's "
+                f"microbatches), got {text!r}"
+            ) from None
+        if not sizes or min(sizes) < 1:
+            raise argparse.ArgumentTypeError(f"token counts must be >= 1, got {text!r}")
+        steps.append(sizes)
+    return tuple(steps)
+
+
 def real(minimum: float = -math.inf, maximum: float = math.inf, *, strict_min: bool = False,
          strict_max: bool = False):  # fmt: skip
     """An argparse type: a finite float in the given range (``nan``/``inf`` refused)."""

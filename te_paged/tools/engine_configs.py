@@ -56,6 +56,19 @@ class ModelConfig:
     #: torch.compile's backend for every MoE block ("inductor", "aot_eager"), fullgraph, as
     #: torchtitan compiles its blocks; None: eager. Default and torchtitan engines only.
     compile: str | None = None
+    #: A variable-length run: per step, each microbatch's tokens per rank (step ``s`` takes
+    #: entry ``s`` modulo the schedule's length; ``tokens`` is then the largest). None: one
+    #: microbatch of ``tokens`` a step. Default engine only.
+    token_schedule: tuple[tuple[int, ...], ...] | None = None
+    #: moe_max_tokens_per_rank: the largest microbatch declared up front (None: the
+    #: pools sized from the capture step, grown by the runner at each new maximum).
+    max_tokens_per_rank: int | None = None
+
+    def microbatches(self, step: int) -> tuple[int, ...]:
+        """Tokens per rank of each microbatch of ``step``."""
+        if self.token_schedule is None:
+            return (self.tokens,)
+        return tuple(self.token_schedule[step % len(self.token_schedule)])
 
     def moe_config(self, ep_size: int, paged: bool) -> MoEConfig:
         from te_paged.config import MoEConfig
@@ -79,6 +92,7 @@ class ModelConfig:
             expert_model_parallel_size=ep_size,
             moe_paged_stash_kernel_backend=self.kernel_backend,
             moe_paged_stash_skip_immediate_backward=self.skip_immediate_backward,
+            moe_max_tokens_per_rank=self.max_tokens_per_rank,
         )
 
 

@@ -59,8 +59,20 @@ class ToyMoEModel(nn.Module):
         return torch.nn.functional.mse_loss(h, target) + aux
 
 
-def make_batch(cfg: ModelConfig, step: int, rank: int, device: torch.device | str = "cpu"):
-    g = torch.Generator().manual_seed((cfg.seed * 1_000_003 + step) * 65_537 + rank)
-    x = torch.randn(cfg.tokens, cfg.hidden, generator=g)
-    target = torch.randn(cfg.tokens, cfg.hidden, generator=g)
+def make_batch(
+    cfg: ModelConfig,
+    step: int,
+    rank: int,
+    device: torch.device | str = "cpu",
+    *,
+    tokens: int | None = None,
+    microbatch: int = 0,
+):
+    """Microbatch ``microbatch`` of ``step`` on ``rank``: ``tokens`` rows (default
+    ``cfg.tokens``) of inputs and targets."""
+    seed = (cfg.seed * 1_000_003 + step) * 65_537 + rank + microbatch * 1_000_000_007
+    g = torch.Generator().manual_seed(seed)
+    tokens = cfg.tokens if tokens is None else tokens
+    x = torch.randn(tokens, cfg.hidden, generator=g)
+    target = torch.randn(tokens, cfg.hidden, generator=g)
     return x.to(device), target.to(device)

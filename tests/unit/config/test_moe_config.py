@@ -60,6 +60,7 @@ def test_defaults() -> None:
         "expert_model_parallel_size": 1,
         "moe_paged_stash_kernel_backend": "auto",
         "moe_paged_stash_skip_immediate_backward": True,
+        "moe_max_tokens_per_rank": None,
     }
     assert dataclasses.asdict(cfg) == expected
     assert {f.name for f in dataclasses.fields(MoEConfig)} == set(expected)

@@ -10,6 +10,7 @@ from torch import nn
 
 from te_paged.config import MoEConfig
 from te_paged.moe import PagedStashParticipant, StaticBudgetDispatcher, static_budget
+from te_paged.moe.dispatcher import SHARE_ONE
 from te_paged.runtime import PagedStashRunner
 from te_paged.stash import PagedStashManager
 
@@ -46,6 +47,7 @@ class PairDemand(nn.Module, PagedStashParticipant):
         pair = static_budget(w.config, TOKENS, RANKS, capacity_factor=w.a2a_capacity_factor)[1]
         w.last_num_tokens, w.pair_capacity = TOKENS, pair
         w.peak_pair_tokens.fill_(pair_demand)
+        w.peak_pair_share.fill_(-(-pair_demand * RANKS * SHARE_ONE // (TOKENS * TOPK)))
         w.over_budget.fill_(int(pair_demand > w.pair_capacity))
         self.factors.append(w.a2a_capacity_factor)
         return x * 2
