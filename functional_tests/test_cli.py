@@ -360,6 +360,14 @@ BAD_ARGUMENTS = [
      "measuring the saving needs at least 2 steps"),
     (["ab", "--engine", "megatron", "--steps", "1"], "saving needs at least 2 steps"),
     (["ab", "--tokens", "abc"], "argument --tokens: expected an integer, got 'abc'"),
+    (["ab", "--tokens", "256,,512"], "argument --tokens: expected token counts like 256,1024"),
+    (["ab", "--tokens", "256+0"], "argument --tokens: token counts must be >= 1"),
+    (["ab", "--tokens", "256,512", "--compile"], "--tokens with a variable-length schedule and "
+     "--compile: not yet"),
+    (["ab", "--engine", "jax", "--tokens", "64,128"], "--tokens with a variable-length schedule"),
+    (["ab", "--engine", "megatron", "--max-tokens-per-rank", "64"], "--max-tokens-per-rank: not "
+     "with --engine megatron"),
+    (["ab", "--max-tokens-per-rank", "0"], "argument --max-tokens-per-rank: must be >= 1"),
     (["ab", "--capacity-factor", "-2"], "-capacity-factor: must be a finite number > 0"),
     (["ab", "--buffer-factor-cuda", "nan"], "-buffer-size-factor-cuda: must be a finite"),
     (["ab", "--buffer-factor-cpu", "-1"], "-buffer-size-factor-cpu: must be a finite"),

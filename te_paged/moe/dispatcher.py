@@ -316,10 +316,11 @@ class StaticBudgetDispatcher(nn.Module):
         #: The tokens per rank the last static dispatch was sized for: its local count, or
         #: :attr:`max_tokens_per_rank` where that is larger (what the budgets are relative to).
         self.last_num_tokens = 0
-        #: The declared largest microbatch (``moe_max_tokens_per_rank``): the static sizes are
-        #: those of a microbatch that large whatever the local count, so every rank of the
-        #: group sends blocks of one size (None: sized from each dispatch's own count, which
-        #: must then be the same on every rank of the group).
+        #: The declared largest microbatch (``moe_max_tokens_per_rank``): over an
+        #: expert-parallel group the static sizes are those of a microbatch that large whatever
+        #: the local count, so every rank sends blocks of one size (None: sized from each
+        #: dispatch's own count, which must then be the same on every rank of the group). One
+        #: rank exchanges nothing and sizes from its own count.
         self.max_tokens_per_rank: int | None = getattr(cfg, "moe_max_tokens_per_rank", None)
         #: The local token count of each forward dispatch since :meth:`reset_traffic` (host
         #: ints, no read; a recomputation inside backward is not counted): the first layer's
@@ -541,7 +542,10 @@ class StaticBudgetDispatcher(nn.Module):
         demand_P = cum_AP[-1]
 
         dropless = self.dropless
-        sized = max(n, self.max_tokens_per_rank or 0)  # the tokens the static sizes are for
+        # The tokens the static sizes are for: a group's ranks exchange blocks of one size, so
+        # with a declared maximum every rank sizes for it; one rank follows its own count.
+        exchanges = self.group is not None and self.ep_size > 1
+        sized = max(n, self.max_tokens_per_rank or 0) if exchanges else n
         if dropless:
             cap = self._dropless_capacity(demand_P)
         else:
