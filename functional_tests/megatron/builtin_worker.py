@@ -222,6 +222,7 @@ def eval_case(ep: int, rank: int, forward_only: bool) -> dict:
                     "stashes": stats.stashes,
                     "consecutive_fallbacks": runner.consecutive_fallbacks,
                     "losses": len(losses),
+                    "pool_pages": sum(stats.pool_pages.values()),
                 }
             )
         train_step(6)  # training goes on, paged
