@@ -89,11 +89,19 @@ AB_TORCHTITAN = ab_launch("ab torchtitan", "--engine", "torchtitan")
 AB_COMPILED = ab_launch(
     "ab compiled", "--compile", "aot_eager", "--nproc", "2", "--layers", "4", "--tokens", "256"
 )  # fmt: skip
-# A variable-length schedule (steps by commas, a step's microbatches by +), then the same with
-# its maximum declared.
+# A variable-length schedule (steps by commas, a step's microbatches by +); Megatron's engine
+# with megatron-core's variable_seq_lengths under its 1F1B pipeline, then with the maximum
+# declared (seq_length 64 x micro_batch_size 2).
 _SCHEDULE = ["--nproc", "2", "--layers", "2", "--tokens", "128+128,512+128,256+64,512+512,64+512"]
 AB_VARIABLE = ab_launch("ab variable", *_SCHEDULE)
-AB_DECLARED = ab_launch("ab declared", *_SCHEDULE, "--max-tokens-per-rank", "512")
+_MEGATRON_SCHEDULE = [
+    "--engine", "megatron", "--nproc", "2", "--layers", "2", "--hidden", "64", "--ffn", "128",
+    "--pipeline-parallel", "2", "--microbatches", "4", "--seq-length", "32,64+32+64+32,64,32",
+]  # fmt: skip
+AB_MEGATRON_VARIABLE = ab_launch("ab megatron variable", *_MEGATRON_SCHEDULE)
+AB_MEGATRON_DECLARED = ab_launch(
+    "ab megatron declared", *_MEGATRON_SCHEDULE, "--max-tokens-per-rank", "128"
+)
 _SMALL_MEGATRON = ["--hidden", "64", "--ffn", "128", "--seq-length", "32"]
 # Megatron's HybridModel under Megatron's own PagedStashRunner (as pretrain() drives it).
 AB_MEGATRON_RERUNS = ab_launch(
@@ -365,8 +373,12 @@ BAD_ARGUMENTS = [
     (["ab", "--tokens", "256,512", "--compile"], "--tokens with a variable-length schedule and "
      "--compile: not yet"),
     (["ab", "--engine", "jax", "--tokens", "64,128"], "--tokens with a variable-length schedule"),
-    (["ab", "--engine", "megatron", "--max-tokens-per-rank", "64"], "--max-tokens-per-rank: not "
-     "with --engine megatron"),
+    (["ab", "--engine", "megatron", "--runner", "megatron", "--max-tokens-per-rank", "64"],
+     "--max-tokens-per-rank with --runner megatron"),
+    (["ab", "--engine", "megatron", "--seq-length", "32+64+16"], "a step of the schedule gives "
+     "3 sequence lengths for 2 microbatches"),
+    (["ab", "--engine", "torchtitan", "--seq-length", "32,64"], "--seq-length with a "
+     "variable-length schedule: the megatron engine only"),
     (["ab", "--max-tokens-per-rank", "0"], "argument --max-tokens-per-rank: must be >= 1"),
     (["ab", "--capacity-factor", "-2"], "-capacity-factor: must be a finite number > 0"),
     (["ab", "--buffer-factor-cuda", "nan"], "-buffer-size-factor-cuda: must be a finite"),
@@ -559,32 +571,47 @@ def test_ab_compiled_is_bitwise_pages_and_saves_memory(launches) -> None:
     assert memory["saving_bytes"] > 0 and memory["S_bytes"] > 0, memory
 
 
-@pytest.mark.launch(AB_VARIABLE, AB_DECLARED)
-def test_ab_variable_length_reruns_once_per_new_maximum_and_none_declared(launches) -> None:
+@pytest.mark.launch(AB_VARIABLE)
+def test_ab_variable_length_reruns_once_per_new_maximum(launches) -> None:
     """``--tokens 128+128,512+128,...`` (two microbatches a step, their lengths varying):
     bitwise every step; one rerun, at the first step with a 512-token microbatch, whose pools
-    grow and hold every later step; with the maximum declared, none. The
-    table shows each step's microbatches, its rerun and pool growth; the memory is measured on
-    a step of the largest microbatch and saves."""
-    for launch, reruns in ((AB_VARIABLE, [1]), (AB_DECLARED, [])):
+    grow and hold every later step. The table shows each step's microbatches, its rerun and
+    pool growth; the memory is measured on a step of the largest microbatch and saves."""
+    proc, js = launches.result(AB_VARIABLE)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "| step | microbatches | largest, any rank | attempt | pool pages |" in proc.stdout
+    assert "| 2 (paged) | 256 + 64 | 256 | 1 |" in proc.stdout, proc.stdout
+    data = check_record(js)
+    schedule = [[128, 128], [512, 128], [256, 64], [512, 512], [64, 512]]
+    assert data["config"]["token_schedule"] == schedule
+    assert all(all(r["grads_equal"]) for r in data["ranks"])
+    on = data["ranks"][0]["on"]
+    assert [i for i, s in enumerate(on) if s["attempt"] == 2] == [1], proc.stdout
+    assert [s["record"]["microbatch_tokens"] for s in on] == schedule
+    growth = on[1]["record"]["pool_growth"]
+    assert growth and all(g["why"] == "overflow" for g in growth.values())
+    assert f"{next(iter(growth.values()))['to']} (" in proc.stdout
+    memory = data["memory"]
+    assert memory["step"] == 4 and memory["saving_bytes"] > 0, memory
+
+
+@pytest.mark.launch(AB_MEGATRON_VARIABLE, AB_MEGATRON_DECLARED)
+def test_ab_megatron_variable_seq_lengths_under_a_pipeline(launches) -> None:
+    """megatron-core's variable_seq_lengths, 1F1B over two stages, four microbatches of 32 or
+    64 tokens a sequence: bitwise every step on both stages; a rerun only at a step whose
+    microbatches in flight hold more tokens than any step's before (1: two 64s, 2: four), none
+    once the maximum is declared; every stage's record carries its microbatches."""
+    per_step = [[64] * 4, [128, 64, 128, 64], [128] * 4, [64] * 4]  # x micro_batch_size 2
+    for launch, reruns in ((AB_MEGATRON_VARIABLE, [1, 2]), (AB_MEGATRON_DECLARED, [])):
         proc, js = launches.result(launch)
         assert proc.returncode == 0, proc.stderr[-4000:]
-        assert "| step | microbatches | largest, any rank | attempt | pool pages |" in proc.stdout
-        assert "| 2 (paged) | 256 + 64 | 256 | 1 |" in proc.stdout, proc.stdout
         data = check_record(js)
-        schedule = [[128, 128], [512, 128], [256, 64], [512, 512], [64, 512]]
-        assert data["config"]["token_schedule"] == schedule
-        assert all(all(r["grads_equal"]) for r in data["ranks"])
-        on = data["ranks"][0]["on"]
-        assert [i for i, s in enumerate(on) if s["attempt"] == 2] == reruns, proc.stdout
-        assert [s["record"]["microbatch_tokens"] for s in on] == data["config"]["token_schedule"]
-        if reruns:
-            growth = on[1]["record"]["pool_growth"]
-            assert growth and all(g["why"] == "overflow" for g in growth.values())
-            assert f"{next(iter(growth.values()))['to']} (" in proc.stdout
-        memory = data["memory"]
-        assert memory["step"] in (3, 4) and memory["saving_bytes"] > 0, memory
-    assert "declared maximum 512" in launches.result(AB_DECLARED)[0].stdout
+        assert data["config"]["seq_schedule"] == [[32], [64, 32, 64, 32], [64], [32]]
+        assert all(all(r["grads_equal"]) for r in data["ranks"]), proc.stdout
+        for rank in data["ranks"]:
+            assert [s["record"]["microbatch_tokens"] for s in rank["on"]] == per_step
+            assert [i for i, s in enumerate(rank["on"]) if s["attempt"] == 2] == reruns
+        assert "| step | microbatches | largest, any rank |" in proc.stdout
 
 
 @pytest.mark.launch(AB_MEGATRON_RERUNS)

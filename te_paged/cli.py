@@ -254,8 +254,12 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
     )
     e.add_argument(
         "--seq-length",
-        type=integer(1),
-        help=f"sequence length ({m.seq_length}; megatron and torchtitan only)",
+        type=token_schedule,
+        metavar="N[,N...]",
+        help=f"sequence length ({m.seq_length}; megatron and torchtitan only); a "
+        "variable-length schedule on the megatron engine (megatron-core's "
+        "variable_seq_lengths): steps separated by commas, a step's microbatches by + (one "
+        "length: every microbatch of the step), e.g. 32,64+32",
     )
     e.add_argument(
         "--micro-batch-size",

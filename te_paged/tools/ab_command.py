@@ -54,10 +54,11 @@ def model_config(args: argparse.Namespace):
         cls = ModelConfig
     fields = {f.name for f in dataclasses.fields(cls) if f.init}
     kw = {k: v for k, v in vars(args).items() if k in fields and v is not None}
-    if isinstance(kw.get("tokens"), tuple):  # a variable-length schedule (default engine)
-        kw["token_schedule"] = kw["tokens"]
-        kw["tokens"] = max(max(step) for step in kw["tokens"])
-        kw.setdefault("steps", max(cls.steps, len(kw["token_schedule"])))
+    for flag, schedule in (("tokens", "token_schedule"), ("seq_length", "seq_schedule")):
+        if isinstance(kw.get(flag), tuple) and schedule in fields:  # variable-length schedules
+            kw[schedule] = kw[flag]
+            kw[flag] = max(max(step) for step in kw[flag])
+            kw.setdefault("steps", max(cls.steps, len(kw[schedule])))
     if megatron or engine == "torchtitan":
         kw.pop("tokens", None)  # seq_length x micro_batch_size
     if megatron:
@@ -174,6 +175,11 @@ def _check_jax_args(args: argparse.Namespace) -> str | None:
 
 def _check_torchtitan_args(args: argparse.Namespace) -> str | None:
     """``--engine torchtitan``: what its model and torchtitan's Trainer take."""
+    if isinstance(args.seq_length, tuple):
+        return (
+            "--seq-length with a variable-length schedule: the megatron engine only "
+            "(torchtitan's Trainer trains one seq_len)"
+        )
     refused = [
         ("tokens", "--tokens"),
         ("max_tokens_per_rank", "--max-tokens-per-rank"),
@@ -269,10 +275,15 @@ def check_ab_args(args: argparse.Namespace) -> str | None:
                  (None, False)]  # fmt: skip
         if given:
             return f"{', '.join(given)}: only with --engine megatron"
-    elif args.tokens is not None or args.max_tokens_per_rank is not None:
+    elif args.tokens is not None:
         return (
-            f"{'--tokens' if args.tokens is not None else '--max-tokens-per-rank'}: not with "
-            "--engine megatron, whose tokens per rank are --seq-length x --micro-batch-size"
+            "--tokens: not with --engine megatron, whose tokens per rank are --seq-length x "
+            "--micro-batch-size"
+        )
+    elif args.max_tokens_per_rank is not None and args.runner == "megatron":
+        return (
+            "--max-tokens-per-rank with --runner megatron: Megatron's own PagedStashRunner "
+            "sizes its pools itself; use --runner te_paged"
         )
     elif args.fp8:
         return (
@@ -284,7 +295,10 @@ def check_ab_args(args: argparse.Namespace) -> str | None:
     elif args.activation not in (None, "swiglu"):
         return "--activation: the megatron engine's model uses swiglu"
     world, _ = _world(args)
-    cfg = model_config(args)
+    try:
+        cfg = model_config(args)
+    except ValueError as e:  # the engine config's own checks (a schedule's microbatches)
+        return str(e)
     if cfg.steps < MIN_STEPS:
         return (
             f"--steps {cfg.steps}: step 0 is the stash's capture step (no pool yet), so "

@@ -353,7 +353,7 @@ def _variable_length_rows(result: ABResult, r0: RankResult) -> list[str]:
 
 
 def _which(counted: int, r0: RankResult, cfg: dict) -> str:
-    if cfg.get("token_schedule"):
+    if cfg.get("token_schedule") or cfg.get("seq_schedule"):
         return "the last step with the largest microbatch that ran with the stash"
     return "the last step" if counted == len(r0.on) - 1 else "the last that ran with the stash"
 
@@ -378,7 +378,7 @@ def format_table(result: ABResult) -> str:
         )
     m = result.memory()
     cfg = result.config
-    if cfg.get("token_schedule"):
+    if cfg.get("token_schedule") or cfg.get("seq_schedule"):
         rows += ["", *_variable_length_rows(result, r0)]
     reloads = max(r.reload_layers for r in result.ranks)
     header = [

@@ -130,9 +130,28 @@ class MegatronModelConfig(ModelConfig):
     #: "hybridep". Megatron's dispatcher is kept where its library imports (and NCCL EP can
     #: drop), e.g. the tests' stand-ins; te_paged's own dispatcher replaces it otherwise.
     flex_backend: str = "ncclep"
+    #: A variable-length run (megatron-core's ``variable_seq_lengths``): per step, the sequence
+    #: length of each microbatch (one value: every microbatch of the step), the list repeated
+    #: over the steps; ``seq_length`` is then the largest. None: ``seq_length`` throughout.
+    seq_schedule: tuple[tuple[int, ...], ...] | None = None
+
+    def seq_lengths(self, step: int) -> tuple[int, ...]:
+        """The sequence length of each microbatch of ``step``."""
+        if self.seq_schedule is None:
+            return (self.seq_length,) * self.microbatches
+        entry = tuple(self.seq_schedule[step % len(self.seq_schedule)])
+        return entry * self.microbatches if len(entry) == 1 else entry
 
     def __post_init__(self) -> None:
         self.tokens = self.seq_length * self.micro_batch_size  # per rank and microbatch
+        if self.seq_schedule is not None:
+            wrong = [e for e in self.seq_schedule if len(e) not in (1, self.microbatches)]
+            if wrong:
+                raise ValueError(
+                    f"--seq-length: a step of the schedule gives {len(wrong[0])} sequence "
+                    f"lengths for {self.microbatches} microbatches (--microbatches); give one "
+                    "(every microbatch) or one per microbatch"
+                )
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
         if self.model not in MODELS:

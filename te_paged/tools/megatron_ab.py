@@ -142,6 +142,8 @@ def _transformer_config(cfg: MegatronModelConfig, ep: int, paged_stash_fields: d
         pipeline_model_parallel_size=cfg.pipeline_parallel,
         virtual_pipeline_model_parallel_size=cfg.virtual_stages,
         pipeline_dtype=torch.float32,
+        # Microbatches of different lengths: the pipeline's stages send shapes first.
+        variable_seq_lengths=cfg.seq_schedule is not None,
         use_cpu_initialization=True,
         **fields,
     )
@@ -164,10 +166,12 @@ def _paged_stash_fields(cfg: MegatronModelConfig, paged: bool) -> dict[str, obje
 
 
 def microbatch(cfg: MegatronModelConfig, step: int, index: int, rank: int) -> torch.Tensor:
-    """Token ids ``[micro_batch_size, seq_length + 1]`` of one microbatch (inputs and labels)."""
+    """Token ids ``[micro_batch_size, seq_length + 1]`` of one microbatch (inputs and labels);
+    a variable-length run's microbatch has its own length (:meth:`seq_lengths`)."""
     seed = ((cfg.seed * 1_000_003 + step) * 65_537 + index) * 1_031 + rank
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, cfg.vocab, (cfg.micro_batch_size, cfg.seq_length + 1), generator=g)
+    seq = cfg.seq_length if cfg.seq_schedule is None else cfg.seq_lengths(step)[index]
+    return torch.randint(0, cfg.vocab, (cfg.micro_batch_size, seq + 1), generator=g)
 
 
 def forward_step(data_iterator, model, before_forward: Callable[[], None] | None = None):
@@ -299,6 +303,7 @@ def _build(cfg: MegatronModelConfig, paged: bool, ep: int, device: torch.device,
         max_consecutive_fallbacks=cfg.max_consecutive_fallbacks,
         grow_pool=cfg.grow_pool,
         per_rank_pools=cfg.per_rank_pools,
+        max_tokens_per_rank=cfg.max_tokens_per_rank,  # ON and OFF: te_paged's dispatchers too
     )
     runner.grow_capacity = cfg.grow_capacity
     return ddp, optimizer, runner
@@ -475,6 +480,11 @@ def train(
             stats = runner.stats[-1]
             result.stashes, result.pops = sum(s.stashes for s in stats), sum(s.pops for s in stats)
             result.dropless_bytes = runner.dropless_bytes[-1]
+        capture_tokens = getattr(runner, "capture_tokens", 0)
+        if cfg.seq_schedule is not None and capture_tokens and record.max_microbatch_tokens:
+            # S of this step's microbatches (te_paged.tools.ab: the balanced rows scale with
+            # the tokens; under a pipeline, an estimate from the largest microbatch).
+            result.s_bytes = round(result.s_bytes * record.max_microbatch_tokens / capture_tokens)
         run.steps.append(result)
         run.memory_method = meter.method or run.memory_method
         run.pool_bytes.append(run.steps[-1].pool_bytes)

@@ -159,13 +159,16 @@ class MegatronPagedStashRunner(PagedStashRunner):
     max_consecutive_fallbacks=3, grow_pool=True, grow_headroom=1.10, per_rank_pools=False,
     max_pool_bytes=None, grow_capacity=True, capacity_headroom=1.10, max_capacity_factor=None,
     auto_wire_steps=8, measure_fallback_memory=False, before_rerun=None, keep_records=1000,
-    on_record=None, timeout=None, restorables=())``:
+    on_record=None, timeout=None, restorables=(), max_tokens_per_rank=None)``:
     ``model`` is the list of model chunks (Megatron DDP wrappers, or bare modules) or one chunk;
     ``optimizer`` Megatron's optimizer (its gradients are zeroed before a rerun); ``config`` the
     model's ``TransformerConfig`` (default: the first chunk's). ``before_rerun`` runs after
     everything above was restored and zeroed; the pool sizing (``grow_pool`` and the rest), the
     wire's (``grow_capacity`` and the rest),
-    ``records``, ``on_record``, ``timeout`` and ``restorables`` as in :class:`PagedStashRunner`.
+    ``records``, ``on_record``, ``timeout``, ``restorables`` and ``max_tokens_per_rank`` (the
+    largest microbatch, ``seq_length x micro_batch_size`` tokens of the longest one, for a
+    variable-length run with megatron-core's ``variable_seq_lengths``) as in
+    :class:`PagedStashRunner`.
     """
 
     def __init__(
@@ -190,6 +193,7 @@ class MegatronPagedStashRunner(PagedStashRunner):
         on_record: Callable[[StepRecord], None] | None = None,
         timeout: datetime.timedelta | None = None,
         restorables: Iterable[object] = (),
+        max_tokens_per_rank: int | None = None,
     ) -> None:
         _check_arguments(model, optimizer, config)
         _refuse_megatron_stash(model)
@@ -211,6 +215,7 @@ class MegatronPagedStashRunner(PagedStashRunner):
             on_record=on_record,
             timeout=timeout,
             restorables=restorables,
+            max_tokens_per_rank=max_tokens_per_rank,
         )
         from megatron.core.utils import get_model_config
 
