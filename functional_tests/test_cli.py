@@ -377,8 +377,10 @@ BAD_ARGUMENTS = [
      "--max-tokens-per-rank with --runner megatron"),
     (["ab", "--engine", "megatron", "--seq-length", "32+64+16"], "a step of the schedule gives "
      "3 sequence lengths for 2 microbatches"),
-    (["ab", "--engine", "torchtitan", "--seq-length", "32,64"], "--seq-length with a "
-     "variable-length schedule: the megatron engine only"),
+    (["ab", "--engine", "torchtitan", "--seq-length", "32,64+32"], "torchtitan's Trainer "
+     "trains one batch a step"),
+    (["ab", "--engine", "torchtitan", "--seq-length", "32,64", "--compile"], "--seq-length with "
+     "a variable-length schedule and --compile: not yet"),
     (["ab", "--max-tokens-per-rank", "0"], "argument --max-tokens-per-rank: must be >= 1"),
     (["ab", "--capacity-factor", "-2"], "-capacity-factor: must be a finite number > 0"),
     (["ab", "--buffer-factor-cuda", "nan"], "-buffer-size-factor-cuda: must be a finite"),

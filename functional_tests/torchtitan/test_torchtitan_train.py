@@ -75,6 +75,23 @@ def test_a_pool_too_small_overflows_and_reruns(results, case):
         assert s["attempt"] == 2 and s["overflow_ranks"] > 0 and not s["enabled"]
 
 
+@pytest.mark.parametrize(("case", "reruns"), [("variable", [1]), ("variable_declared", [])])
+def test_variable_lengths_rerun_once_per_new_maximum_and_not_when_declared(results, case, reruns):
+    """Batches of 32, 64, 32 and 32 tokens a sequence (2 sequences a rank): one rerun, at the
+    64-token step, whose pools then hold the smaller steps after it; none with the largest
+    declared."""
+    by_rank: dict[int, list] = {}
+    for rank, s in _steps(results, case):
+        by_rank.setdefault(rank, []).append(s)
+    for rank, steps in by_rank.items():
+        assert [s["record"]["microbatch_tokens"] for s in steps] == [[64], [128], [64], [64]]
+        flags = [(s["attempt"], s["overflow_ranks"], s["overbudget_ranks"]) for s in steps]
+        assert [i for i, s in enumerate(steps) if s["attempt"] == 2] == reruns, (rank, flags)
+        assert all(s["enabled"] and s["stashes"] > 0 for s in steps[2:]), (rank, steps)
+        if reruns:
+            assert steps[1]["record"]["pool_growth"], (rank, steps[1])
+
+
 def test_compiled_blocks_page_every_step_and_save_memory(results):
     """torchtitan's compile.enable (each TransformerBlock fullgraph=True, aot_eager): paged,
     nothing said, the steps bitwise to the compiled OFF run (test_on_equals_off_bitwise_every_

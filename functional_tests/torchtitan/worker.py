@@ -18,7 +18,12 @@ shard after the optimizer step bitwise with the OFF run of the same routing:
   ``aot_eager``), sequences of 256 tokens and 2 steps, the memory measured as ``te-paged ab``
   measures it (its ``RankResult`` in the JSON), against the OFF run compiled alike;
 * ``compiled_overflow``: ``compiled`` with ``overflow``'s pool: the reruns run the compiled
-  graph with the stash off, against the compiled OFF run, which never overflowed.
+  graph with the stash off, against the compiled OFF run, which never overflowed;
+* ``variable``: a variable-length run, sequences of 32, 64, 32 and 32 tokens: one rerun, at the
+  64-token step (the new maximum), then paged; ``variable_declared``: the same with the
+  largest batch declared (``max_tokens_per_rank``): none. (The tiny model's routing drifts
+  much from step to step, its load-balancing bias updated each step: a step of 48 tokens
+  after the 64-token one was seen to need more pages than it, a drift no headroom covers.)
 
 Each rank writes ``rank<r>.json``: per case, per step, the flags and whether it matched.
 """
@@ -38,6 +43,12 @@ BASE = {
     "vocab": 256, "seq_length": 64, "micro_batch_size": 2, "steps": STEPS,
     "measure_memory": False,
 }  # fmt: skip
+VARIABLE = ((32,), (64,), (32,), (32,))  # a variable-length run: each step's sequence length
+# Its wire held at the expert buffer's factor: what the pools do is the question here (a
+# step's wire demand drifts as the tiny model trains, whatever its length); pages of 8 rows,
+# so that a step's pages follow its rows (at 64, each small tensor's page rounds up alike).
+VARIABLE_RUN = {"seq_schedule": VARIABLE, "steps": 4, "a2a_capacity_factor": 2.0,
+                "grow_capacity": False, "page_size": 8}  # fmt: skip
 #: case -> (the OFF run it is compared with, the ON run's settings)
 CASES = {
     "ep4": ("ep4", {}),
@@ -51,6 +62,8 @@ CASES = {
         {"compile": "aot_eager", "steps": 2, "seq_length": 256, "grow_pool": False,
          "buffer_factor_cuda": 0.3},
     ),
+    "variable": ("variable", {**VARIABLE_RUN}),
+    "variable_declared": ("variable", {**VARIABLE_RUN, "max_tokens_per_rank": 128}),
 }  # fmt: skip
 #: The cases whose memory is measured, as ``ab`` measures it (slow: the others skip it).
 MEASURED = ("compiled",)
@@ -61,6 +74,7 @@ OFF = {
     "over_budget": {"capacity_factor": None, "skew": 20.0},
     "sac": {"activation_checkpoint": "selective"},
     "compiled": {"compile": "aot_eager", "steps": 2, "seq_length": 256, "measure_memory": True},
+    "variable": {**VARIABLE_RUN},
 }
 
 
@@ -139,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
                     "pops": a.pops,
                     "params": len(on.params[i]),
                     "paged_nothing": a.record["paged_nothing"],
-                    "record": {k: a.record[k] for k in ("step", "pool_growth")},
+                    "record": {
+                        k: a.record[k] for k in ("step", "pool_growth", "microbatch_tokens")
+                    },
                 }
             )
         result["cases"][case] = steps

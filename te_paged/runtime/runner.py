@@ -497,6 +497,8 @@ class PagedStashRunner(StepReduction, PoolSizing, BudgetSizing, Reporting):
             self._grow(record, per_rank[self._world()[0]].demand(), "overflow")
         if overbudget and not forward_only:
             self._size_capacity(record, "over budget")
+        elif not forward_only:  # a stash overflow alone: the wire's demand is this step's own
+            self._size_capacity(record, "headroom")
         #: A receive budget went over: sized after the rerun (size_receive_after_rerun).
         self._receive_pending = bool(overbudget) and self.grow_capacity and not forward_only
         if self.consecutive_fallbacks >= self.max_consecutive_fallbacks and not forward_only:

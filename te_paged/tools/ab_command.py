@@ -175,14 +175,13 @@ def _check_jax_args(args: argparse.Namespace) -> str | None:
 
 def _check_torchtitan_args(args: argparse.Namespace) -> str | None:
     """``--engine torchtitan``: what its model and torchtitan's Trainer take."""
-    if isinstance(args.seq_length, tuple):
+    if isinstance(args.seq_length, tuple) and args.compile is not None:
         return (
-            "--seq-length with a variable-length schedule: the megatron engine only "
-            "(torchtitan's Trainer trains one seq_len)"
+            "--seq-length with a variable-length schedule and --compile: not yet (every new "
+            "length compiles the blocks again); run the schedule eagerly"
         )
     refused = [
         ("tokens", "--tokens"),
-        ("max_tokens_per_rank", "--max-tokens-per-rank"),
         ("fp8", "--fp8"),
         ("recompute", "--recompute"),
         ("op_fuser", "--op-fuser"),
@@ -201,7 +200,10 @@ def _check_torchtitan_args(args: argparse.Namespace) -> str | None:
         )
     world, _ = _world(args)
     args.device = _resolve_device(args.device, world, _world(args)[1])
-    cfg = model_config(args)
+    try:
+        cfg = model_config(args)
+    except ValueError as e:  # the engine config's own checks (a schedule's microbatches)
+        return str(e)
     if cfg.steps < MIN_STEPS:
         return f"--steps {cfg.steps}: step 0 is the capture step; at least {MIN_STEPS}"
     ep = args.ep or world

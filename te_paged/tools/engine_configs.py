@@ -197,5 +197,15 @@ class TorchtitanModelConfig(ModelConfig):
     skew_experts: int = 1
     skew_every_rank: bool = False
 
+    #: A variable-length run: per step, the batch's sequence length (one a step: torchtitan's
+    #: Trainer trains one batch a step), the list repeated over the steps; ``seq_length`` is
+    #: then the largest (the rotary table's length). None: ``seq_length`` throughout.
+    seq_schedule: tuple[tuple[int, ...], ...] | None = None
+
     def __post_init__(self) -> None:
         self.tokens = self.seq_length * self.micro_batch_size  # per rank and step
+        if self.seq_schedule is not None and any(len(e) != 1 for e in self.seq_schedule):
+            raise ValueError(
+                "--seq-length: torchtitan's Trainer trains one batch a step, so a schedule "
+                "gives one sequence length a step (e.g. 64,128), not a step's microbatches"
+            )

@@ -71,12 +71,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def offline_data(vocab: int, seed: int = 0):
+def offline_data(vocab: int, seed: int = 0, seq_schedule: tuple[int, ...] | None = None):
     """``(tokenizer config, data loader config)``: torchtitan components that need no files or
     network (random token ids seeded by step and data-parallel rank), for the ``ab`` engine,
-    the tests and docs/torchtitan.md's example; a job uses its own tokenizer and dataset."""
+    the tests and docs/torchtitan.md's example; a job uses its own tokenizer and dataset.
+    ``seq_schedule``: each step's sequence length, repeated (a variable-length run)."""
     tokenizer, loader = _data_classes()
-    return tokenizer.Config(vocab=vocab), loader.Config(vocab=vocab, seed=seed)
+    return tokenizer.Config(vocab=vocab), loader.Config(
+        vocab=vocab, seed=seed, seq_schedule=seq_schedule
+    )
 
 
 @functools.cache
@@ -108,6 +111,7 @@ def _data_classes():
         class Config(BaseDataLoader.Config):
             vocab: int = 512
             seed: int = 0
+            seq_schedule: tuple[int, ...] | None = None  # each step's length, repeated
 
         def __init__(self, config: Config, *, dp_rank: int, seq_len: int,
                      local_batch_size: int, **kwargs: object) -> None:  # fmt: skip
@@ -119,7 +123,9 @@ def _data_classes():
             while True:
                 seed = (self.config.seed * 1_000_003 + step) * 1_031 + self.rank
                 g = torch.Generator().manual_seed(seed)
-                t = torch.randint(0, self.config.vocab, (self.batch, self.seq_len + 1), generator=g)
+                lengths = self.config.seq_schedule
+                seq = self.seq_len if lengths is None else lengths[step % len(lengths)]
+                t = torch.randint(0, self.config.vocab, (self.batch, seq + 1), generator=g)
                 yield {"input": t[:, :-1]}, t[:, 1:]
                 step += 1
 
@@ -213,7 +219,8 @@ def trainer_config(cfg: TorchtitanModelConfig, paged: bool, world: int, dump_fol
 
     from te_paged.integrations.torchtitan.trainer import PagedStashTrainer, TePagedConfig
 
-    tokenizer, loader = offline_data(cfg.vocab, cfg.seed)
+    lengths = None if cfg.seq_schedule is None else tuple(e[0] for e in cfg.seq_schedule)
+    tokenizer, loader = offline_data(cfg.vocab, cfg.seed, lengths)
     ac = {None: None, "selective": SelectiveAC.Config(), "full": FullAC.Config()}
     # te_paged's budget knobs size its own dispatcher; a HybridEP model has its own budget and
     # refuses them (te_paged.integrations.torchtitan.moe.convert_node).
@@ -255,6 +262,7 @@ def trainer_config(cfg: TorchtitanModelConfig, paged: bool, world: int, dump_fol
             moe_paged_stash_skip_immediate_backward=cfg.skip_immediate_backward,
             grow_pool=cfg.grow_pool,
             grow_capacity=cfg.grow_capacity,
+            max_tokens_per_rank=cfg.max_tokens_per_rank,
             max_consecutive_fallbacks=cfg.max_consecutive_fallbacks,
         ),
     )
@@ -328,6 +336,10 @@ def train(
                         loss, norm, record, peak, capture, runner.managers, runner.dispatchers
                     )
                 )
+                if cfg.seq_schedule is not None and runner.capture_tokens:
+                    # S of this step's batch (te_paged.tools.ab: balanced rows scale with tokens)
+                    scale = record.max_microbatch_tokens / runner.capture_tokens
+                    run.steps[-1].s_bytes = round(run.steps[-1].s_bytes * scale)
                 run.memory_method = meter.method or run.memory_method
                 if progress is not None:
                     progress(f"torchtitan {'ON ' if paged else 'OFF'} step {step + 1}/{cfg.steps}")

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torchtitan.trainer import Trainer
 
-from te_paged.config.checks import require_bool
+from te_paged.config.checks import require_bool, require_int
 from te_paged.integrations.torchtitan.moe import (
     PagedStashConverter,
     attach_paged_stash,
@@ -61,11 +61,16 @@ class TePagedConfig(PagedStashConverter.Config):
     capacity_headroom: float = 1.10
     max_capacity_factor: float | None = None
     auto_wire_steps: int = 8
+    #: The largest batch of any step, tokens per rank (``local_batch_size x`` the longest
+    #: ``seq_len``), for a variable-length run: the runner's ``max_tokens_per_rank``.
+    max_tokens_per_rank: int | None = None
 
     def __post_init__(self) -> None:  # checked where given, not after the model is built
         PagedStashConverter.Config.__post_init__(self)
         for name in ("convert_moe", "grow_pool", "per_rank_pools", "grow_capacity"):
             require_bool(name, getattr(self, name))  # "no" would read as True
+        if self.max_tokens_per_rank is not None:
+            require_int("max_tokens_per_rank", self.max_tokens_per_rank, minimum=1)
 
 
 class TorchtitanPagedStashRunner(PagedStashRunner):
@@ -150,6 +155,7 @@ class PagedStashTrainer(Trainer):
             capacity_headroom=options.capacity_headroom,
             max_capacity_factor=options.max_capacity_factor,
             auto_wire_steps=options.auto_wire_steps,
+            max_tokens_per_rank=options.max_tokens_per_rank,
         )
         self._groups: list[Any] | None = None  # this step's microbatch groups, read ahead
         self._losses: list[torch.Tensor] | None = None
