@@ -248,6 +248,8 @@ class StaticBudgetDispatcher(nn.Module):
       millionths (:data:`SHARE_ONE`): ``peak_pair_tokens x P / (N x K)`` of the dispatch that
       asked most, whatever the sizes of the others: what a factor must hold when the
       microbatches' token counts vary (a variable-length workload, or a declared maximum);
+    * ``peak_share``: ``peak_tokens`` relative to its dispatch's balanced count ``N·K``, in
+      millionths: what a receive budget's factor must hold when the token counts vary;
     * ``invalid_indices``: dispatches with an expert id outside ``[0, num_moe_experts)`` (those
       assignments are dropped; the runner refuses the step);
     * ``dropless_bytes``: the bytes a dropless exchange of the same routing would have moved
@@ -328,7 +330,7 @@ class StaticBudgetDispatcher(nn.Module):
         self.step_num_tokens: list[int] = []
         self._noting = HostCall(_token_noter(self))
         counters = ("over_budget", "dropped_tokens", "peak_tokens", "peak_pair_tokens",
-                    "peak_pair_share",
+                    "peak_pair_share", "peak_share",
                     "invalid_indices", "dropless_bytes")  # fmt: skip
         for name in counters:
             zero = torch.zeros((), dtype=torch.int64, device=device)
@@ -387,7 +389,7 @@ class StaticBudgetDispatcher(nn.Module):
         """Zero the device counters of the flags in place (allocation-free, sync-free); the
         byte counts are :meth:`reset_traffic`'s."""
         for t in (self.over_budget, self.dropped_tokens, self.peak_tokens, self.peak_pair_tokens,
-                  self.peak_pair_share,
+                  self.peak_pair_share, self.peak_share,
                   self.invalid_indices):  # fmt: skip
             t.zero_()
 
@@ -399,6 +401,13 @@ class StaticBudgetDispatcher(nn.Module):
             self.bytes_sent = 0
         self.dropless_bytes.zero_()
         self.step_num_tokens.clear()
+
+    def _note_share(self, rows: torch.Tensor, num_tokens: int) -> None:
+        """:attr:`peak_share`: ``rows`` asked of this rank over ``num_tokens · K`` (device)."""
+        balanced = max(1, num_tokens * self.config.moe_router_topk)
+        share = torch.div(rows.to(torch.int64) * SHARE_ONE + (balanced - 1), balanced,
+                          rounding_mode="floor")  # fmt: skip
+        torch.maximum(self.peak_share, share.to(self.peak_share.device), out=self.peak_share)
 
     def note_tokens(self, num_tokens: int) -> None:
         """A forward dispatch of ``num_tokens`` local tokens, for :attr:`step_num_tokens`
@@ -586,7 +595,9 @@ class StaticBudgetDispatcher(nn.Module):
         recv_S = self._exchange(send_S, routed)
         meta_PC = self._exchange(meta_PC, None)
         expert_S = meta_PC[:, :cap].reshape(rows)
-        torch.maximum(self.peak_tokens, meta_PC[:, cap].sum(), out=self.peak_tokens)
+        received = meta_PC[:, cap].sum()
+        torch.maximum(self.peak_tokens, received, out=self.peak_tokens)
+        self._note_share(received, n)
 
         # Stable: equal experts keep the receive order, i.e. (source rank, source (n, k)).
         order_S = torch.sort(expert_S, stable=True).indices

@@ -131,6 +131,7 @@ class ReceiveBudget(StaticBudgetDispatcher):
         received = tokens_per_expert.sum().to(self.peak_tokens.device, torch.int64)
         asked = received if demanded is None else demanded.reshape(()).to(received.device)
         torch.maximum(self.peak_tokens, asked.to(torch.int64), out=self.peak_tokens)
+        self._note_share(asked, num_tokens)
         # Dispatch, combine and their two backwards move the real rows, and only those.
         self.dropless_bytes.add_(received * (4 * row_bytes))
         if overflow is not None:

@@ -162,11 +162,12 @@ class BudgetSizing:
             return
         device = self._device()
         peak = torch.stack([d.peak_tokens.to(device) for d in budgets]).max()
+        share = torch.stack([d.peak_share.to(device) for d in budgets]).max()
         over = torch.stack([d.over_budget.to(device) for d in static]).max() if static else 0
-        figures = torch.stack([peak, torch.as_tensor(over, device=device)]).long()
+        figures = torch.stack([peak, share, torch.as_tensor(over, device=device)]).long()
         if self._world()[1] > 1:
             dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=self.group)
-        peak, over = (int(x) for x in figures.tolist())
+        peak, share, over = (int(x) for x in figures.tolist())
         if over:  # a budget that stayed static in the rerun dropped rows: never kept
             raise RuntimeError(
                 f"step {record.step}: the rerun went over {static[0].factor_name}'s budget "
@@ -177,6 +178,7 @@ class BudgetSizing:
         if not pending:
             return
         record.peak_tokens = max(record.peak_tokens, peak)
+        self._recv_share = max(self._recv_share, share)
         self._size_receive_budgets(record, "over budget")
 
     def _size_receive_budgets(self, record: StepRecord, why: str) -> None:
@@ -189,6 +191,8 @@ class BudgetSizing:
         if d is None or not d.last_num_tokens or d.capacity_factor is None:
             return
         n, peak = d.last_num_tokens, record.peak_tokens
+        if self._varied:  # the rows a dispatch of n tokens would ask, from the largest share
+            peak = -(-self._recv_share * n * d.config.moe_router_topk // SHARE_ONE)
         needed = d.fitting_capacity_factor(n, peak)
         if why == "over budget":
             record.suggested_capacity_factor = needed

@@ -2,8 +2,8 @@
 fixed-length device vector, gathered by one ``all_reduce(SUM)`` and one host read.
 
 Slot layout (:data:`_SLOT` entries): ``[step, stage, invalid, overflow, overbudget, spill,
-peak_tokens, peak_pair_tokens, max_microbatch_tokens, peak_pair_share, varied]``, then per pool
-key ``(key code, pages,
+peak_tokens, peak_pair_tokens, max_microbatch_tokens, peak_pair_share, varied, peak_share]``,
+then per pool key ``(key code, pages,
 high-water pages, demanded pages, balanced pages)``, zero-padded to :data:`_MAX_KEYS` keys,
 so ranks whose pipeline stages hold different pools reduce vectors of one length.
 """
@@ -21,9 +21,10 @@ from te_paged.stash import StashKey
 from te_paged.stash.buffer import MAX_KEYS, key_code, key_from_code
 
 _FLAGS = 3  # per rank: stash overflow, over budget, host spill
-_HEAD = 11  # per rank: step, stage, invalid, the _FLAGS flags, peak tokens, peak pair tokens,
+_HEAD = 12  # per rank: step, stage, invalid, the _FLAGS flags, peak tokens, peak pair tokens,
 # the largest microbatch (tokens per rank), the peak pair share, whether a dispatch's token count
-# differed from what its static sizes were for (the share then sizes the wire)
+# differed from what its static sizes were for (the shares then size the budgets), the peak
+# receive share
 _MAX_KEYS = MAX_KEYS  # pool keys (dtype, row width) a rank may hold: the reduction's fixed room
 _PER_KEY = 5  # per pool key: code, pages, high-water pages, demanded pages, balanced pages
 _SLOT = _HEAD + _PER_KEY * _MAX_KEYS  # one rank's entries in the per-step reduction
@@ -46,6 +47,7 @@ class _RankStats(NamedTuple):
     max_tokens: int = 0  # the rank's largest microbatch of the step, tokens per rank
     pair_share: int = 0  # peak pair demand over the balanced pair count, in SHARE_ONE units
     varied: int = 0  # 1: a dispatch's token count was not the one its static sizes were for
+    share: int = 0  # peak rows at this rank over the balanced count, in SHARE_ONE units
 
     def demand(self) -> dict[StashKey, int]:
         """The pages each pool key's step needed at its peak."""
@@ -95,7 +97,7 @@ class StepReduction:
                 hwm[key] = torch.maximum(hwm[key], h) if key in hwm else h
                 figures = (buf.num_pages, manager.sizing_peaks(key)[0])
                 const[key] = max(const.get(key, (0, 0)), figures)
-        over = peak = peak_pair = share = zero
+        over = peak = peak_pair = share = recv_share = zero
         for d in self.dispatchers:
             over = over + (d.over_budget > 0).long().to(device)
             invalid = invalid + (d.invalid_indices > 0).long().to(device)
@@ -103,6 +105,7 @@ class StepReduction:
             peak_pair = torch.maximum(peak_pair, d.peak_pair_tokens.to(device).long())
             if hasattr(d, "peak_pair_share"):
                 share = torch.maximum(share, d.peak_pair_share.to(device).long())
+                recv_share = torch.maximum(recv_share, d.peak_share.to(device).long())
         for flag in self.participants.invalid_flags:
             invalid = invalid + (flag > 0).long().to(device)
         flags = [(overflow > 0).long(), (over > 0).long(), (spill > 0).long()]
@@ -114,7 +117,8 @@ class StepReduction:
         head = [self.step_index, self.stage, max(self.microbatch_tokens(), default=0), int(varied)]
         step = torch.tensor(head, dtype=torch.int64, device=device)  # one host-to-device copy
         mine = [step[:2], (invalid > 0).long().reshape(1), *(f.reshape(1) for f in flags)]
-        mine += [peak.reshape(1), peak_pair.reshape(1), step[2:3], share.reshape(1), step[3:]]
+        mine += [peak.reshape(1), peak_pair.reshape(1), step[2:3], share.reshape(1), step[3:],
+                 recv_share.reshape(1)]  # fmt: skip
         if hwm:  # (code, pages, hwm, demand, balanced): one host-to-device copy, no read
             host = [(key_code(k), *const[k]) for k in hwm]
             host = torch.tensor(host, dtype=torch.int64, device=device)

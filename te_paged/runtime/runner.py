@@ -212,6 +212,7 @@ class PagedStashRunner(StepReduction, PoolSizing, BudgetSizing, Reporting):
         self._auto_wire_share = 0  # and share (their microbatches' sizes may differ)
         self._auto_wire_varied = False
         self._pair_share, self._varied = 0, False  # the last reduced step's (_record)
+        self._recv_share = 0
         self._receive_pending = False  # a receive budget to size after the rerun
         if max_pool_bytes is not None:
             require_int("max_pool_bytes", max_pool_bytes, minimum=1)
@@ -451,6 +452,7 @@ class PagedStashRunner(StepReduction, PoolSizing, BudgetSizing, Reporting):
         #: the wire is then sized from the share (budget_sizing).
         self._pair_share = max((r.pair_share for r in per_rank), default=0)
         self._varied = any(r.varied for r in per_rank)
+        self._recv_share = max((r.share for r in per_rank), default=0)
         stages: dict[str, dict[str, int]] = {}
         if any(r.stage for r in per_rank):  # more than one pipeline stage
             for r in per_rank:

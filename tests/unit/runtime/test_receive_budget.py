@@ -141,3 +141,30 @@ def test_a_rerun_that_still_drops_is_not_kept() -> None:
     layer = StaticRerunDispatcher(1.0, rerun_short=1)
     with pytest.raises(RuntimeError, match="rerun went over"):
         run(layer, [[10, 10, 10, 10]])
+
+
+def test_microbatches_of_different_sizes_size_the_budget_from_their_largest_share() -> None:
+    # Two microbatches a step: 8 tokens asking 24 rows of one rank (1.5x its balanced 16) and
+    # 32 tokens asking 64 (1.0x). The largest rows (64) came with the larger microbatch, so
+    # sizing from rows against the last microbatch's count would keep factor 1.0 and rerun
+    # every step; the share (1.5) x headroom fits both.
+    layer = FrameworkDispatcher(1.0)
+
+    def step(x: torch.Tensor) -> None:
+        b = layer.budget
+        total = x.new_zeros(())
+        for n, demand in ((8, [24, 0, 0, 0]), (32, [16, 16, 16, 16])):
+            demand = torch.tensor(demand)
+            rows = n * TOPK * 8 if b.dropless else b.rank_budget(n, b.capacity_factor)
+            over = None if b.dropless else (demand.sum() > rows).to(torch.int32).reshape(1)
+            b.note_dispatch(n, rows, demand, over, 4 * x.shape[-1])
+            total = total + (x * kept_per_expert(demand, rows).sum()).sum()
+        total.backward()
+
+    runner = PagedStashRunner(layer, PagedStashManager.from_config(budget_config(2.0)))
+    records = [runner.step(lambda: step(torch.ones(2, 8, requires_grad=True)))[1]
+               for _ in range(3)]  # fmt: skip
+    assert [r.attempt for r in records] == [2, 1, 1], [r.capacity_growth for r in records]
+    assert records[0].microbatch_tokens == [8, 32]
+    assert records[0].capacity_growth["needed"] == 1.5, records[0].capacity_growth
+    assert layer.budget.capacity_factor == 1.66  # 96 rows at 32 tokens x 1.10: 106 rows
