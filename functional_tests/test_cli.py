@@ -382,6 +382,12 @@ BAD_ARGUMENTS = [
     (["ab", "--engine", "torchtitan", "--seq-length", "32,64", "--compile"], "--seq-length with "
      "a variable-length schedule and --compile: not yet"),
     (["ab", "--max-tokens-per-rank", "0"], "argument --max-tokens-per-rank: must be >= 1"),
+    (["ab", "--engine", "jax", "--skip-immediate-backward"], "--skip-immediate-backward (the JAX "
+     "port pages every layer)"),
+    (["plan", "--model", "deepseek-v3", "--ring-of-experts", "--skip-immediate-backward"],
+     "--skip-immediate-backward with --ring-of-experts: the ring-of-experts stack"),
+    (["plan", "--profile", "p.json", "--fp8", "mxfp8"], "--fp8 mxfp8 prices the saved tensors' "
+     "bytes: give --hidden and --ffn"),
     (["ab", "--capacity-factor", "-2"], "-capacity-factor: must be a finite number > 0"),
     (["ab", "--buffer-factor-cuda", "nan"], "-buffer-size-factor-cuda: must be a finite"),
     (["ab", "--buffer-factor-cpu", "-1"], "-buffer-size-factor-cpu: must be a finite"),

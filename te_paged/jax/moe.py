@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from te_paged.jax.checkpoint import paged_checkpoint, paged_scope
+from te_paged.jax.pool import _FLOAT_EXACT as _POOL_ROW_LIMIT
 from te_paged.jax.pool import PagedPool, make_pool, reset_pool
 from te_paged.kernels.layout import Flag, State
 from te_paged.runtime.pool_plan import SavedTensor, pipeline_pool_plan
@@ -57,6 +58,33 @@ __all__ = [
     "make_batch",
     "make_train_step",
 ]
+
+
+def _require_number(name: str, value: object) -> None:
+    """A real number (not a bool, not a string that looks like one), else TypeError naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+
+
+def check_pool_rows(cfg: RingMoEConfig, *, grow_pool: bool) -> None:
+    """A differentiable pool counts its rows in float32, exact below 2**24: the first pool must
+    stay below, and with ``grow_pool`` so must the largest it may grow to (every layer's static
+    buffer whole). ``ValueError`` naming the sizes, before anything is built."""
+    pages = static_pool_pages(cfg) if grow_pool else cfg.pool_pages()
+    rows = pages * cfg.page_size
+    if rows >= _POOL_ROW_LIMIT:
+        what = "may grow to" if grow_pool else "needs"
+        raise ValueError(
+            f"the pool {what} {rows} rows ({cfg.layers} layers, {cfg.ep} x {cfg.tokens} tokens "
+            f"x top-{cfg.topk}, pages of {cfg.page_size}): a differentiable pool counts in "
+            "float32, exact only below 2**24 rows; use fewer tokens, ranks or layers"
+            + (", or --no-grow-pool (grow_pool=False)" if grow_pool else "")
+        )
+
+
+def static_pool_pages(cfg: RingMoEConfig) -> int:
+    """The pool that holds every layer's static buffer whole: growth stops there."""
+    return cfg.layers * -(-cfg.max_rows // cfg.page_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,8 +113,11 @@ class RingMoEConfig:
             raise ValueError(f"experts={self.experts} do not split over ep={self.ep} ranks")
         if self.topk > self.experts:
             raise ValueError(f"topk={self.topk} exceeds experts={self.experts}")
+        for name in ("buffer_factor", "lr"):
+            _require_number(name, getattr(self, name))
         if not (math.isfinite(self.buffer_factor) and self.buffer_factor > 0):
             raise ValueError(f"buffer_factor must be > 0, got {self.buffer_factor!r}")
+        check_pool_rows(self, grow_pool=False)  # the first pool
 
     @property
     def global_tokens(self) -> int:
@@ -292,8 +323,10 @@ class PagedStepRunner:
     ):
         if not isinstance(grow_pool, bool):  # a string such as "no" would read as True
             raise TypeError(f"grow_pool must be True or False, got {grow_pool!r}")
+        _require_number("grow_headroom", grow_headroom)
         if not (math.isfinite(grow_headroom) and grow_headroom >= 1):
             raise ValueError(f"grow_headroom must be >= 1, got {grow_headroom!r}")
+        check_pool_rows(cfg, grow_pool=grow_pool)
         self.cfg, self.grow_pool, self.grow_headroom = cfg, grow_pool, grow_headroom
 
         def traced(paged: bool):
@@ -308,8 +341,7 @@ class PagedStepRunner:
     @property
     def static_pages(self) -> int:
         """The pool that holds every layer's static buffer whole: growth stops there."""
-        cfg = self.cfg
-        return cfg.layers * -(-cfg.max_rows // cfg.page_size)
+        return static_pool_pages(self.cfg)
 
     def step(self, params: Params, batch: Batch) -> tuple[StepOutput, StepRecord]:
         """One step: the output of the kept attempt and the torch runner's

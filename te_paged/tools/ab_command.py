@@ -148,6 +148,7 @@ def _check_jax_args(args: argparse.Namespace) -> str | None:
         ("activation_checkpoint", "--activation-checkpoint"),
         ("compile", "--compile (te_paged.jax is compiled by XLA already)"),
         ("max_tokens_per_rank", "--max-tokens-per-rank"),
+        ("skip_immediate_backward", "--skip-immediate-backward (the JAX port pages every layer)"),
     ]
     refused += [(n, f"--{n.replace('_', '-')}") for n in _MEGATRON_ONLY if n != "ep"]
     given = [flag for name, flag in refused if getattr(args, name, None) not in (None, False)]
@@ -167,7 +168,10 @@ def _check_jax_args(args: argparse.Namespace) -> str | None:
     if importlib.util.find_spec("jax") is None:
         return "--engine jax needs JAX: pip install 'te_paged[jax]'"
     try:
-        model_config(args).ring()  # the model's own checks (experts over --ep, top-k, ...)
+        ring = model_config(args).ring()  # the model's own checks (experts over --ep, top-k, ...)
+        from te_paged.jax.moe import check_pool_rows
+
+        check_pool_rows(ring, grow_pool=args.grow_pool is not False)
     except ValueError as e:
         return str(e)
     return _check_outputs(args)

@@ -69,6 +69,16 @@ def check_plan_args(args: argparse.Namespace) -> str | None:
     wrong = _given(args, other)
     if wrong:
         return f"{', '.join(wrong)}: only with {'--profile' if args.model else '--model'}"
+    if args.model and args.ring_of_experts and args.skip_immediate_backward:
+        return (
+            "--skip-immediate-backward with --ring-of-experts: the ring-of-experts stack (the "
+            "JAX port) pages every layer; leave the flag out"
+        )
+    if not args.model and args.fp8 is not None and args.hidden is None:
+        return (
+            f"--fp8 {args.fp8} prices the saved tensors' bytes: give --hidden and --ffn "
+            "(the model's sizes), or leave --fp8 out"
+        )
     for name, default in mine.items():
         if getattr(args, name) is None:
             setattr(args, name, default)

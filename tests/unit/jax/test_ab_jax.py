@@ -73,6 +73,12 @@ def test_ab_engine_jax_grows_the_pool_after_an_overflow(tmp_path, capsys) -> Non
         (["--no-grow-capacity"], "--no-grow-capacity: not available with --engine jax"),
         (["--ep", "3"], "experts=8 do not split over ep=3"),
         (["--device", "cuda"], "the jax engine runs on CPU"),
+        # Known before anything starts (before: started, then exited 3 mid-run).
+        (
+            ["--tokens", "300000", "--ep", "64", "--experts", "64", "--topk", "8"],
+            "a differentiable pool counts in float32, exact only below 2**24 rows",
+        ),
+        (["--skip-immediate-backward"], "the JAX port pages every layer"),
     ],
 )
 def test_ab_engine_jax_bad_arguments_exit_2(args, message, capsys) -> None:

@@ -13,7 +13,13 @@ import pytest
 jax = pytest.importorskip("jax")
 pytestmark = pytest.mark.torch_free  # also run without torch (scripts/jax_env.sh)
 
-from te_paged.jax.moe import PagedStepRunner, RingMoEConfig, init_params, make_batch  # noqa: E402
+from te_paged.jax.moe import (  # noqa: E402
+    PagedStepRunner,
+    RingMoEConfig,
+    check_pool_rows,
+    init_params,
+    make_batch,
+)
 from te_paged.kernels.layout import State  # noqa: E402
 from te_paged.runtime.pool_plan import capacity_model_saving, reload_adjusted_saving  # noqa: E402
 
@@ -168,3 +174,18 @@ def test_config_checks() -> None:
         PagedStepRunner(CFG, grow_headroom=0.9)
     with pytest.raises(TypeError, match="grow_pool must be True or False, got 'no'"):
         PagedStepRunner(CFG, grow_pool="no")  # before: a true string, so the pool grew
+    # Numbers only, named (before: Python's "must be real number, not str"; True accepted).
+    with pytest.raises(TypeError, match=r"grow_headroom must be a number, got '1\.1'"):
+        PagedStepRunner(CFG, grow_headroom="1.1")
+    with pytest.raises(TypeError, match=r"buffer_factor must be a number, got '1\.1'"):
+        RingMoEConfig(buffer_factor="1.1")
+    with pytest.raises(TypeError, match="buffer_factor must be a number, got True"):
+        RingMoEConfig(buffer_factor=True)
+    # A pool past float32's exact 2**24 rows is refused at construction, not at its growth
+    # mid-run: the first pool in the config, the one growth may reach in the runner.
+    big = RingMoEConfig(tokens=300000, ep=64, experts=64, topk=8)  # its first pool fits
+    with pytest.raises(ValueError, match=r"may grow to 614400000 rows.*below 2\*\*24"):
+        PagedStepRunner(big)
+    check_pool_rows(big, grow_pool=False)  # never grows: fine (not built: 2.7 GB of pool)
+    with pytest.raises(ValueError, match=r"the pool needs \d+ rows"):
+        RingMoEConfig(tokens=2_000_000, ep=64, experts=64, topk=8)
