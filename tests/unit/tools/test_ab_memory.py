@@ -85,3 +85,17 @@ def test_one_rank_is_its_own_figure() -> None:
     m = _result([_rank(0, 20 * MIB, 30 * MIB)]).memory()
     assert m["peak_on_bytes"] == 25 * MIB and m["peak_on_rank_spread_bytes"] == 0
     assert "one rank" in format_table(_result([_rank(0, 20 * MIB, 30 * MIB)]))
+
+
+def test_the_spread_reported_over_stages_is_the_largest_stages() -> None:
+    # Stage 0's ranks disagree by 3 MiB ON, stage 1's by 1 MiB (and OFF the other way round):
+    # the run's spread is the larger, the figure that says how far a rank may be off.
+    ranks = [
+        _rank(0, 20 * MIB, 30 * MIB, stage=0),
+        _rank(1, 23 * MIB, 31 * MIB, stage=0),
+        _rank(2, 24 * MIB, 30 * MIB, stage=1),
+        _rank(3, 25 * MIB, 33 * MIB, stage=1),
+    ]
+    m = _result(ranks, pipeline_parallel=2, microbatches=2).memory()
+    assert m["peak_on_rank_spread_bytes"] == 3 * MIB, "not the largest stage's ON spread"
+    assert m["peak_off_rank_spread_bytes"] == 3 * MIB, "not the largest stage's OFF spread"
