@@ -600,6 +600,13 @@ class PagedStashManager(PoolAllocation, Packing, StashReporting):
         return True
 
     def _close_scope(self) -> None:
+        scope = self._scope
+        if scope is not None and not scope.paged and not scope.skip:
+            # It saved no marked tensor, so no copy kernel checked its count: check it here
+            # (a device op, no read), as every scope's is (docs/design.md, "The manager and
+            # its scope").
+            n = scope.num_tokens
+            self.flags[Flag.INVALID] += ((n < 0) | (n > scope.max_num_tokens)).sum()
         self._scope, self._scope_owned_outside = None, False
 
     def _open_traced_scope(

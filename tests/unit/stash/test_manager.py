@@ -335,6 +335,25 @@ def test_a_kept_scope_checks_its_count_on_the_device_as_a_paged_one_does(
         assert stats.invalid == (n < 0 or n > 16) and not stats.overflow, (step, n)
 
 
+def test_a_scope_that_saves_no_marked_tensor_still_checks_its_count() -> None:
+    # The contract: every scope's count is checked, whatever it saves. A layer whose producers
+    # mark nothing (or save nothing) never reaches the copy kernels, which check the others;
+    # before, 20 tokens for a 16-row buffer passed unflagged there. On the device, no read.
+    from tests.host_reads import NoHostReads
+
+    manager = PagedStashManager(page_size=4, skip_immediate_backward=False)
+    for step, n in enumerate([8, 8, 20, -1, 16]):
+        manager.reset()
+        t = torch.randn(16, 2, requires_grad=True)  # not marked
+        with NoHostReads() if step else contextlib.nullcontext():
+            with manager.scope(16, torch.tensor(n), 8):
+                out = Keep.apply(t)
+        out.sum().backward()
+        stats = manager.stats()
+        assert stats.stashes == 0
+        assert stats.invalid == (n < 0 or n > 16), f"step {step}: a count of {n} unflagged"
+
+
 def test_the_runner_refuses_a_step_whose_kept_scope_saw_an_impossible_count() -> None:
     from te_paged import PagedStashRunner
     from te_paged.runtime import InvalidCountsError
