@@ -254,10 +254,19 @@ def main(argv: list[str] | None = None) -> int:
         every: list = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
         bound = min(every)
+        # The capture step alone: a rank that did not raise then reaches the gather below at
+        # once, and the test names it, instead of running on into a collective the others
+        # never join (gloo's timeout, minutes later).
         bounded = train(
-            limited, paged=True, grow_pool=False, per_rank_pools=True, max_pool_bytes=bound
-        )
-        res["pool_limit"] = {"pool_bytes": every, "bound": bound, "run": summary(bounded)}
+            dataclasses.replace(limited, steps=1), paged=True, grow_pool=False,
+            per_rank_pools=True, max_pool_bytes=bound,
+        )  # fmt: skip
+        raised: list = [None] * dist.get_world_size()
+        dist.all_gather_object(raised, "raised" in bounded)
+        res["pool_limit"] = {
+            "pool_bytes": every, "bound": bound, "run": summary(bounded),
+            "raised_ranks": [r for r, yes in enumerate(raised) if yes],
+        }  # fmt: skip
     finally:
         (args.out / f"rank{rank}.json").write_text(json.dumps(res, default=str))
         dist.barrier()  # leave together: gloo torn down under a talking peer can abort

@@ -128,6 +128,9 @@ def test_max_pool_bytes_past_on_some_ranks_raises_on_every_rank(ranks) -> None:
     every = ranks[0]["pool_limit"]["pool_bytes"]
     bound = ranks[0]["pool_limit"]["bound"]
     assert every[2] == every[3] == bound < every[0] == every[1], every
+    raised = ranks[0]["pool_limit"]["raised_ranks"]
+    missing = sorted(set(range(len(ranks))) - set(raised))
+    assert not missing, f"rank(s) {missing} did not raise PoolLimitError with the others"
     for res in ranks:
         run = res["pool_limit"]["run"]
         assert run["records"] == [], run  # raised in the capture step, before any pool
