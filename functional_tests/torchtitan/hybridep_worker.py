@@ -19,6 +19,10 @@ every gradient shard and every parameter shard with an OFF run, bitwise:
 
 The last two hung in the rerun (FSDP's reduce-scatter sizes disagreeing across ranks) while it
 used HybridEP's blocking mode: see ``te_paged.integrations.torchtitan.hybridep``.
+
+* ``rerun_undersized``: ``padded_everywhere`` with the rerun's dispatch sized at factor 0.25 (a
+  sizing bug, made on purpose): the rerun drops rows, reads its own flag and raises on every
+  rank, naming the rows kept and needed, instead of keeping a step that dropped.
 """
 
 from __future__ import annotations
@@ -87,11 +91,31 @@ def main(argv: list[str] | None = None) -> int:
         "padded_everywhere": compare(run(True, hybridep_factor=1.0, **padded, **pool),
                                      never_padded),
     }  # fmt: skip
-    result = {"world_size": dist.get_world_size(), "rank": rank, "cases": cases}
+    result = {"world_size": dist.get_world_size(), "rank": rank, "cases": cases,
+              "rerun_undersized": _rerun_undersized(run, padded, pool)}  # fmt: skip
     (args.out / f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def _rerun_undersized(run, padded: dict, pool: dict) -> str | None:
+    """``padded_everywhere``'s ON run with the rerun's dispatch sized at a quarter of the worst
+    case (a sizing bug, made on purpose; the skewed routing needs more): the error its rerun
+    raises (None if it kept its steps)."""
+    from te_paged.integrations.torchtitan.hybridep import PagedHybridEPTokenDispatcher as D
+
+    def quarter(self, num_tokens: int, topk_expert_ids_TK) -> float:
+        return 0.25
+
+    real, D.rerun_factor = D.rerun_factor, quarter
+    try:
+        run(True, hybridep_factor=1.0, **padded, **pool)
+        return None
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        D.rerun_factor = real
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ reruns dropless, bitwise equal to a run whose budget never dropped anything.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -101,3 +102,18 @@ def test_reruns_where_some_ranks_receive_almost_nothing_finish_and_grow(results,
         else:  # factor 1.0 holds the padded demand: the rerun is the pool's (stash overflow)
             assert all(s["overbudget_ranks"] == 0 for s in steps), steps
             assert max(s["peak_tokens"] for s in steps) <= steps[0]["budget_tokens"], steps
+
+
+def test_a_rerun_that_drops_rows_raises_on_every_rank_naming_them(results) -> None:
+    """The dropless rerun reads its own overflow flag: sized too small (on purpose), it
+    dropped rows, and every rank raised, naming the rows kept and needed (before: a rerun that
+    dropped was kept, e.g. 1032 of 1056 rows with the padding left out of its factor, and every
+    other test of this file passed)."""
+    for r in results:
+        error = r["rerun_undersized"]
+        assert error is not None, f"rank {r['rank']}: a rerun that dropped rows was kept"
+        assert "the dropless rerun's HybridEP dispatch dropped rows" in error, error
+        kept, needed = (
+            int(x) for x in re.findall(r"kept (\d+) rows a rank, and a rank needed (\d+)", error)[0]
+        )
+        assert kept < needed, error

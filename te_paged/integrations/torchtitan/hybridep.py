@@ -119,14 +119,20 @@ class PagedHybridEPTokenDispatcher(HybridEPTokenDispatcher):
         expert's block padded to ``pad_multiple``: this rank's routing counted per expert
         (from the expert ids HybridEP routes by), summed over the group (one ``all_reduce``
         and a host read; every rank gets the same)."""
+        rows = max(1, int(self._padded_demand(topk_expert_ids_TK).max()))
+        return self._budget.smallest_factor(num_tokens, rows)
+
+    def _padded_demand(self, topk_expert_ids_TK: torch.Tensor) -> torch.Tensor:
+        """Rows each rank of the group receives in this dispatch, each local expert's block
+        padded to ``pad_multiple``: this rank's routing counted per expert, summed over the
+        group (one ``all_reduce``; a device tensor ``[ep]``)."""
         ep = self.ep_mesh.size()
         ids = topk_expert_ids_TK.reshape(-1).to(torch.int64)
         counts = torch.bincount(ids, minlength=self.num_experts)
         dist.all_reduce(counts, group=self.ep_mesh.get_group())
         pad = self.pad_multiple or 1
         per_rank = (torch.div(counts + pad - 1, pad, rounding_mode="floor") * pad).view(ep, -1)
-        rows = max(1, int(per_rank.sum(1).max()))
-        return self._budget.smallest_factor(num_tokens, rows)
+        return per_rank.sum(1)
 
     def budget(self, device: torch.device | str) -> ReceiveBudget:
         """The runner-facing counters, built on first use with the wired EP group."""
@@ -187,4 +193,24 @@ class PagedHybridEPTokenDispatcher(HybridEPTokenDispatcher):
             handle[-1] if static else None,
             routed_RD.shape[-1] * routed_RD.element_size(),
         )
+        if not static:
+            self._check_rerun(handle[-1], topk_expert_ids_TK, routed_RD.shape[0])
         return routed_RD, kept_per_expert(counts_e, routed_RD.shape[0]), metadata
+
+    def _check_rerun(self, overflow: torch.Tensor, topk_expert_ids_TK: torch.Tensor,
+                     rows: int) -> None:  # fmt: skip
+        """A dropless rerun reads its own overflow flag: a rerun that dropped rows is no
+        dropless reference, and its step must not be kept. Every rank of the group learns it,
+        with the most rows a rank needed (counted from the routing, apart from the factor the
+        rerun was given; two ``all_reduce`` and a host read, in the rerun only, as
+        :meth:`rerun_factor`'s), so all raise together, naming the rows kept and needed."""
+        dropped = (overflow.reshape(-1) != 0).any().to(torch.int64).reshape(1)
+        dist.all_reduce(dropped, op=dist.ReduceOp.MAX, group=self.ep_mesh.get_group())
+        if int(dropped):
+            most = int(self._padded_demand(topk_expert_ids_TK).max())
+            raise RuntimeError(
+                f"the dropless rerun's HybridEP dispatch dropped rows: its buffer kept {rows} "
+                f"rows a rank, and a rank needed {most} (each local expert's block padded to "
+                f"{self.pad_multiple or 1}); its step is not kept (the rerun's factor did not "
+                "hold that demand)"
+            )
