@@ -25,7 +25,8 @@ most rows any rank receives in that dispatch (:meth:`PagedHybridEPTokenDispatche
 one all_reduce of the per-expert counts and a host read per dispatch, in the rerun only):
 every rank gets the same non-empty buffer, nothing is dropped, and every routing weight its
 gradient. The rerun reads HybridEP's overflow flag as well: should it drop rows after all (its
-factor too small), every rank raises, naming the rows kept and needed, and the step is not kept. The experts get the counts clipped to the buffer
+factor too small), every rank raises, naming the rows kept and needed, and the step is not
+kept. The experts get the counts clipped to the buffer
 (:func:`~te_paged.moe.kept_per_expert`). :func:`~te_paged.integrations.torchtitan.convert_moe`
 keeps a ``HybridEPTokenDispatcher.Config`` as this one's config.
 
