@@ -595,13 +595,22 @@ def test_the_result_does_not_depend_on_which_program_finishes_last(monkeypatch, 
     monkeypatch.setattr(builder, "set_grid_idx", lambda x, y, z: set_idx(perm[x], y, z))
     monkeypatch.setattr(triton_stash, "_TILE_BYTES", 32)  # int16 x 4: 4-row tiles
     monkeypatch.setattr(triton_stash, "_MAX_ROW_PROGRAMS", 3)  # and programs that loop
-    twin = _single(dtype=torch.int16, hidden=4, page_size=2, dev_pages=6, host_pages=4)
+    # A pool that never overflows (before: 6 + 4 pages overflowed within two or three stashes,
+    # so every later launch was a no-op and one pop in three orders did work): every stash and
+    # pop below moves rows, across both tiers.
+    twin = _single(dtype=torch.int16, hidden=4, page_size=2, dev_pages=20, host_pages=40)
     seq = random.Random(order)
+    active = 0
     for step in range(10):
         if twin.records and seq.random() < 0.4:
-            twin.pop(seq.randrange(len(twin.records)), 4, seq.random() < 0.5, step)
+            index = seq.randrange(len(twin.records))
+            active += int(twin.records[index][2].meta[Meta.ROWS]) > 0
+            twin.pop(index, 4, seq.random() < 0.5, step)
         else:
             rows = seq.choice([5, 9, 14])
-            twin.copy(_bits(torch.int16, (rows, 4), step, twin.device), seq.randint(0, rows), 1)
+            twin.copy(_bits(torch.int16, (rows, 4), step, twin.device), seq.randint(1, rows), 1)
     while twin.records:
+        active += int(twin.records[0][2].meta[Meta.ROWS]) > 0
         twin.pop(0, 4, True, 0)
+    assert twin.flags[1][Flag.OVERFLOW] == 0, "the pool overflowed: later launches were no-ops"
+    assert active >= 5, f"only {active} pops moved rows"
