@@ -89,6 +89,7 @@ def _rank(rank: int, store: str, out: str) -> None:
         rows.append(dispatch())
         torch.save({"rows": rows, "max_factor": budget.max_factor, "fits": fits,
                     "need": int(need)}, f"{out}/{rank}.pt")  # fmt: skip
+        dist.barrier()  # leave together: gloo torn down under a talking peer can abort
     finally:
         dist.destroy_process_group()
 
