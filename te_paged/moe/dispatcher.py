@@ -402,12 +402,17 @@ class StaticBudgetDispatcher(nn.Module):
         self.dropless_bytes.zero_()
         self.step_num_tokens.clear()
 
-    def _note_share(self, rows: torch.Tensor, num_tokens: int) -> None:
-        """:attr:`peak_share`: ``rows`` asked of this rank over ``num_tokens · K`` (device)."""
+    def _note_share(
+        self, rows: torch.Tensor, num_tokens: int, counter: torch.Tensor | None = None, ranks=1
+    ) -> None:
+        """Raise ``counter`` (default :attr:`peak_share`) to ``rows × ranks`` over the
+        dispatch's balanced ``num_tokens · K``, in :data:`SHARE_ONE` units (device ops, no
+        read): the receive share, or with ``ranks`` P the pair share."""
+        counter = self.peak_share if counter is None else counter
         balanced = max(1, num_tokens * self.config.moe_router_topk)
-        share = torch.div(rows.to(torch.int64) * SHARE_ONE + (balanced - 1), balanced,
+        share = torch.div(rows.to(torch.int64) * (ranks * SHARE_ONE) + (balanced - 1), balanced,
                           rounding_mode="floor")  # fmt: skip
-        torch.maximum(self.peak_share, share.to(self.peak_share.device), out=self.peak_share)
+        torch.maximum(counter, share.to(counter.device), out=counter)
 
     def note_tokens(self, num_tokens: int) -> None:
         """A forward dispatch of ``num_tokens`` local tokens, for :attr:`step_num_tokens`
@@ -571,10 +576,7 @@ class StaticBudgetDispatcher(nn.Module):
             self.dropped_tokens.add_(dropped)
             self.over_budget.add_((dropped > 0).to(torch.int64))
         torch.maximum(self.peak_pair_tokens, demand_P.max(), out=self.peak_pair_tokens)
-        balanced = max(1, n * k)  # this dispatch's balanced assignments, over p pairs
-        share = torch.div(demand_P.max() * (p * SHARE_ONE) + (balanced - 1), balanced,
-                          rounding_mode="floor")  # fmt: skip
-        torch.maximum(self.peak_pair_share, share, out=self.peak_pair_share)
+        self._note_share(demand_P.max(), n, self.peak_pair_share, ranks=p)
 
         # Inverse map: the assignment in each send slot, `a` (→ a zero row) for empty slots.
         # Only the dummy slot `rows` receives duplicate writes, and it is cut off.

@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from te_paged.config import MoEConfig
 from te_paged.moe import MoELayer
 from te_paged.stash import PagedStashManager
+
+from .spawn import run_ranks
 
 WORLD, LAYERS, STEPS, N = 2, 2, 3, 24
 pytestmark = pytest.mark.timeout(240)
@@ -86,11 +87,7 @@ def _worker(rank: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("compiled_ep")
-    mp.set_forkserver_preload([__name__])
-    mp.start_processes(_worker, args=(str(out),), nprocs=WORLD, join=True,
-                       start_method="forkserver")  # fmt: skip
-    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+    return run_ranks(__name__, _worker, tmp_path_factory.mktemp("compiled_ep"), WORLD)
 
 
 def test_compiled_ep_on_equals_off_and_pages_as_eager(ranks) -> None:

@@ -31,10 +31,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from te_paged.config import MoEConfig
 from te_paged.moe import MoELayer, StaticBudgetDispatcher
+
+from .spawn import run_ranks
 
 WORLD, E, H, K, N, SEED = 4, 8, 32, 2, 24, 11
 pytestmark = pytest.mark.timeout(180)
@@ -150,14 +151,7 @@ def _worker(rank: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("ep")
-    # The ranks fork from a forkserver that imported torch and this module once (about 4 s of
-    # CPU a rank on 2 cores when each imports them). Where the session's forkserver already
-    # runs, with other modules, the ranks import what it lacks.
-    mp.set_forkserver_preload([__name__])
-    mp.start_processes(_worker, args=(str(out),), nprocs=WORLD, join=True,
-                       start_method="forkserver")  # fmt: skip
-    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+    return run_ranks(__name__, _worker, tmp_path_factory.mktemp("ep"), WORLD)
 
 
 def expected_rows(ranks: list[dict], rank: int) -> tuple[torch.Tensor, torch.Tensor]:

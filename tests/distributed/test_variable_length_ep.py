@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from te_paged.runtime import PagedStashRunner
 from te_paged.tools.engine_configs import ModelConfig
 from te_paged.tools.model import ToyMoEModel, make_batch
+
+from .spawn import run_ranks
 
 WORLD = 2
 CFG = ModelConfig(layers=2, experts=4, hidden=32, ffn=64, page_size=8, max_tokens_per_rank=64)
@@ -70,11 +71,7 @@ def _worker(rank: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("variable_length_ep")
-    mp.set_forkserver_preload([__name__])
-    mp.start_processes(_worker, args=(str(out),), nprocs=WORLD, join=True,
-                       start_method="forkserver")  # fmt: skip
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return run_ranks(__name__, _worker, tmp_path_factory.mktemp("variable_length_ep"), WORLD)
 
 
 def test_ranks_of_different_sizes_train_paged_bitwise_without_a_rerun(ranks) -> None:
