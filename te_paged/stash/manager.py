@@ -186,7 +186,7 @@ class PagedStashManager(PoolAllocation, Packing, StashReporting):
         self._declared_tokens = 0  # max_tokens_per_rank x router_topk: the rows it scales to
         # Paged steps' static pages per key: (live, peak) this step, and the largest peak of any
         # step so far (te_paged.stash.pools: the bound of pool growth).
-        self._step_static: dict[StashKey, tuple[int, int]] = {}
+        self._step_static: dict[StashKey, list[int]] = {}
         self._static_seen: dict[StashKey, int] = {}
         # skip_immediate_backward (te_paged.stash.packing): the scopes the capture step found
         # immediate, by their place in the step's order; the scopes opened in this step; the
@@ -366,7 +366,7 @@ class PagedStashManager(PoolAllocation, Packing, StashReporting):
         self._capture_log.clear()
         self._stepped_since_reset = False
         self._live_rows.clear()
-        self._step_static.clear()
+        self._fold_step_static()
         self._step_counts.clear()
         if self.timeline is not None:
             self.timeline.clear()

@@ -106,22 +106,31 @@ class PoolAllocation:
         static buffer's rows, maximised over the capture step (:meth:`sizing_peaks`) and every
         paged step since (a larger microbatch has larger static buffers). A pool this large
         saves nothing over not stashing, the bound pool growth keeps to."""
-        return max(self.sizing_peaks(key)[2], self._static_seen.get(key, 0))
+        step = self._step_static.get(key)
+        return max(self.sizing_peaks(key)[2], self._static_seen.get(key, 0), step[1] if step else 0)
 
     def step_static_pages(self) -> dict[StashKey, int]:
         """This step's static peak per key (pages; paged steps: counted on the host at each
         stash and pop; the capture step: its own)."""
         if self.mode is StashMode.CAPTURE:
             return {k: p.peak_static_pages for k, p in self._peaks.items()}
-        return {k: peak for k, (_, peak) in self._step_static.items()}
+        return {k: counts[1] for k, counts in self._step_static.items()}
 
     def _count_static(self, key: StashKey, max_rows: int, sign: int) -> None:
         """A paged step's host count of live static pages (a stash ``sign`` 1, a pop -1)."""
-        live, peak = self._step_static.get(key, (0, 0))
-        live += sign * -(-max_rows // self.page_size)
-        self._step_static[key] = (live, max(peak, live))
-        if live > self._static_seen.get(key, 0):
-            self._static_seen[key] = live
+        counts = self._step_static.get(key)  # [live, peak], mutated in place: the hot path
+        if counts is None:
+            counts = self._step_static[key] = [0, 0]
+        counts[0] += sign * -(-max_rows // self.page_size)
+        if counts[0] > counts[1]:
+            counts[1] = counts[0]
+
+    def _fold_step_static(self) -> None:
+        """At a step boundary: the step's static peaks into the largest seen."""
+        for key, (_, peak) in self._step_static.items():
+            if peak > self._static_seen.get(key, 0):
+                self._static_seen[key] = peak
+        self._step_static.clear()
 
     def scale_static_peaks(self, ratio: float) -> None:
         """The static buffers grew by ``ratio`` since the capture step (a runner raised a
