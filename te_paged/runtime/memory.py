@@ -7,7 +7,8 @@
   sees every storage allocated while the work runs and reports the peak by category. For work
   that runs torch.compile'd code (``compiled=True``), which refuses to run under a dispatch
   mode, the CPU figure is the running sum of the allocations and frees the profiler records
-  (``profile_memory=True``): its peak above the work's start, as on CUDA.
+  (``profile_memory=True``), every thread's counted by c10's allocator meanwhile (a gloo
+  worker's frees included): its peak above the work's start, as on CUDA.
 
 Either way the figure is the peak of the memory the work itself holds: on CUDA everything
 allocated before it (parameters, existing gradients, a stash pool allocated at the step boundary)
@@ -19,7 +20,9 @@ when comparing paged stash ON against OFF.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import glob
 import os
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -71,6 +74,7 @@ class PeakMemoryMeter:
         self._tracker = None
         self._profiler = None
         self._base = 0
+        self._every_thread: bool | None = None  # the allocator flag's value before __enter__
         self.compiled = compiled  # the work runs compiled code: no dispatch-mode tracker
         self.static = static
 
@@ -82,6 +86,7 @@ class PeakMemoryMeter:
         elif self.compiled:
             # The profiler's own start and stop lines (kineto's USDT level) are not for users.
             os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+            self._every_thread = _count_every_thread(True)
             self._profiler = torch.profiler.profile(
                 activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
             )
@@ -105,6 +110,7 @@ class PeakMemoryMeter:
             return
         if self._profiler is not None:
             self._profiler.__exit__(*exc)
+            _count_every_thread(self._every_thread)
             static = () if self.static is None else self.static()
             ptrs = {t.untyped_storage().data_ptr() for t in static if t is not None}
             self.report = MemoryReport(
@@ -124,16 +130,39 @@ class PeakMemoryMeter:
         self.report = MemoryReport(dynamic, method, categories)
 
 
+def _count_every_thread(on: bool | None) -> bool | None:
+    """Set c10's ``FLAGS_caffe2_report_cpu_memory_usage`` to ``on`` (None: leave it); returns
+    its value before, or None where this build of torch does not export it.
+
+    c10's CPU allocator keeps the running total the profiler's allocation events carry only for
+    the threads the profiler profiles, unless this flag is set: a free on another thread is
+    then counted nowhere. A gloo collective's worker thread drops its references to the
+    collective's tensors after the caller has returned from the wait; where it was descheduled
+    in between, the last reference to a buffer the step allocated (a functional collective's
+    input, under torch.compile) is its, and without the flag that buffer would stay in the
+    step's figure to its end (benchmarks/results/gloo-linger-2026-12-05.md)."""
+    libs = glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.*"))
+    try:
+        flag = ctypes.c_bool.in_dll(ctypes.CDLL(libs[0]), "FLAGS_caffe2_report_cpu_memory_usage")
+    except (IndexError, OSError, ValueError):
+        return None
+    before = flag.value
+    if on is not None:
+        flag.value = on
+    return before
+
+
 def _allocator_peak(profiler: torch.profiler.profile, static_ptrs: set[int] = frozenset()) -> int:
     """The peak of the step's own CPU memory from the profiler's allocation events, in time
     order, less the allocations still live at the end at a ``static_ptrs`` address.
 
     The events are those of the threads the profiler profiles (the step's own, autograd's
-    backward included); each also carries the allocator's process-wide total. A collective's
-    worker thread (gloo's) allocates buffers of its own, which the step does not hold, and may
-    drop the last reference to a tensor the step allocated, a free no event records. Between
-    two events the total's change not explained by the event is the other threads' net: what
-    they allocate is theirs, what they free is first theirs and, past that, the step's."""
+    backward included); each also carries the allocator's total, of every thread while the meter
+    sets :func:`_count_every_thread`. A collective's worker thread (gloo's) allocates buffers
+    of its own, which the step does not hold, and may drop the last reference to a tensor the
+    step allocated, a free no event records. Between two events the total's change not
+    explained by the event is the other threads' net: what they allocate is theirs, what they
+    free is first theirs and, past that, the step's."""
     events, stack = [], list(profiler.profiler.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
