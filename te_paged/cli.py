@@ -36,6 +36,7 @@ import argparse
 import dataclasses
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 from te_paged._lazy import torch_installed
@@ -56,42 +57,49 @@ __all__ = ["MEGATRON_ALIASES", "main"]
 #: ``virtual_pipeline_model_parallel_size``, ``forward_backward_func``'s ``num_microbatches``).
 
 
-def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
-    """The model and run flags of ``ab`` (``engines``: with the Megatron engine's) and of
-    ``bench``'s step benchmark. Every default is None: the engine's config fills it in, so a
-    flag that was given can be told apart from one that was not (see the ``check_*_args``)."""
-    from te_paged.tools.engine_configs import (
-        MegatronModelConfig,
-        ModelConfig,
-        TorchtitanModelConfig,
-    )
+def _defaults(engines: bool) -> Callable[..., str]:
+    """``dflt(field, among=None)``: a field's default as the help says it: the default
+    engine's, and where ``engines``, each other registered engine's (of ``among``, or all) that
+    differs, on a field it has."""
+    from te_paged.tools.ab_engines import AB_ENGINES
 
-    d = ModelConfig()
-    if engines:
-        from te_paged.tools.jax_ab import JaxModelConfig  # imports no JAX
+    configs = {name: e.config()() for name, e in AB_ENGINES.items()} if engines else {}
+    d = configs.get("default") or AB_ENGINES["default"].config()()
 
-        m, j, t = MegatronModelConfig(), JaxModelConfig(), TorchtitanModelConfig()
-        jax_flags = {f.name for f in dataclasses.fields(j) if f.init}
-
-        def dflt(name: str) -> str:
-            a, b = getattr(d, name), getattr(m, name)
-            text = f"{a}" if a == b else f"{a}; megatron engine {b}"
-            if name == "layers":  # see ab_command.model_config
+    def dflt(name: str, among: tuple[str, ...] | None = None) -> str:
+        text = f"{getattr(d, name)}"
+        for engine, cfg in configs.items():
+            if engine == "default" or (among is not None and engine not in among):
+                continue
+            fields = {f.name for f in dataclasses.fields(cfg) if f.init}
+            if name in fields and getattr(cfg, name) != getattr(d, name):
+                text += f"; {engine} engine {getattr(cfg, name)}"
+            if engine == "megatron" and name == "layers":  # see ab_command.model_config
                 text += " per pipeline stage"
-            if name in jax_flags and getattr(j, name) != a:
-                text += f"; jax engine {getattr(j, name)}"
-            if getattr(t, name) != a:
-                text += f"; torchtitan engine {getattr(t, name)}"
-            return text
+        return text
 
+    return dflt
+
+
+def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
+    """The model and run flags of ``ab`` (``engines``: with every engine's) and of ``bench``'s
+    step benchmark. Every default is None: the engine's config fills it in, so a flag that was
+    given can be told apart from one that was not (see the ``check_*_args``)."""
+    dflt = _defaults(engines)
+    if engines:
         title = "model and run (defaults: the embedded default model)"
     else:
-
-        def dflt(name: str) -> str:
-            return f"{getattr(d, name)}"
-
         title = "step benchmark: the ab model (defaults: the embedded default model)"
     g = p.add_argument_group(title)
+    _shape_args(g, dflt, engines)
+    _stash_args(g, dflt, engines)
+    g.add_argument("--seed", type=integer(0), help=f"seed of weights and data ({dflt('seed', ())})")
+    if engines:
+        _run_args(g, dflt)
+        _engine_args(p)
+
+
+def _shape_args(g, dflt: Callable[..., str], engines: bool) -> None:
     for flag, name, what in (
         ("--layers", "layers", "MoE layers"),
         ("--experts", "experts", "experts"),
@@ -100,24 +108,24 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
         ("--ffn", "ffn", "expert FFN size"),
     ):
         g.add_argument(flag, type=integer(1), help=f"{what} ({dflt(name)})")
-    megatron_note = (
-        "; not with --engine megatron or torchtitan, which take --seq-length and --micro-batch-size"
-        if engines
-        else ""
+    if not engines:
+        g.add_argument("--tokens", type=integer(1), help=f"tokens per rank ({dflt('tokens')})")
+        return
+    # The megatron and torchtitan engines' tokens are --seq-length x --micro-batch-size.
+    base = dflt("tokens", ())
+    tokens = (f"{base}; not with --engine megatron or torchtitan, which take --seq-length and "
+              f"--micro-batch-size{dflt('tokens', ('jax',)).removeprefix(base)}")  # fmt: skip
+    g.add_argument(
+        "--tokens",
+        type=token_schedule,
+        metavar="N[,N...]",
+        help=f"tokens per rank ({tokens}); a variable-length schedule on "
+        "the default engine: steps separated by commas, a step's microbatches by + (e.g. "
+        "256,1024,512 or 256+256,1024+128), the list repeated over --steps",
     )
-    if engines and j.tokens != d.tokens:
-        megatron_note += f"; jax engine {j.tokens}"
-    if engines:
-        g.add_argument(
-            "--tokens",
-            type=token_schedule,
-            metavar="N[,N...]",
-            help=f"tokens per rank ({d.tokens}{megatron_note}); a variable-length schedule on "
-            "the default engine: steps separated by commas, a step's microbatches by + (e.g. "
-            "256,1024,512 or 256+256,1024+128), the list repeated over --steps",
-        )
-    else:
-        g.add_argument("--tokens", type=integer(1), help=f"tokens per rank ({d.tokens})")
+
+
+def _stash_args(g, dflt: Callable[..., str], engines: bool) -> None:
     knob(
         g,
         "--capacity-factor",
@@ -159,6 +167,12 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
         metavar="ROWS",
         help=f"moe_paged_stash_page_size: rows per page ({dflt('page_size')})",
     )
+    _layer_args(g, dflt, engines)
+
+
+def _layer_args(g, dflt: Callable[..., str], engines: bool) -> None:
+    from te_paged.tools.engine_configs import ModelConfig
+
     g.add_argument(
         "--fp8",
         choices=["tensorwise", "mxfp8", "nvfp4"],
@@ -171,7 +185,7 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
         action=argparse.BooleanOptionalAction,
         help="moe_paged_stash_skip_immediate_backward: keep unpaged the tensors of the layer "
         "whose backward follows its forward at once (the last MoE layer) "
-        f"(default: {'on' if d.skip_immediate_backward else 'off'})",
+        f"(default: {'on' if ModelConfig().skip_immediate_backward else 'off'})",
     )
     g.add_argument(
         "--op-fuser",
@@ -188,16 +202,17 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
     )
     if engines:  # bench: a flag of both benchmarks, see _bench_parser
         _kernel_backend(g)
-    g.add_argument("--seed", type=integer(0), help=f"seed of weights and data ({d.seed})")
-    if not engines:
-        return
+
+
+def _run_args(g, dflt: Callable[..., str]) -> None:
+    """``ab``'s steps and the runner's growth."""
     g.add_argument("--steps", type=integer(1), help=f"training steps ({dflt('steps')})")
     g.add_argument(
         "--skew",
         type=real(-1e4, 1e4),
         help="logit added to expert 0 on rank 0 (the megatron engine: to its routing bias; "
         "jax: to its router logit, expert 0 being local), "
-        f"to force over-budget reruns ({d.skew:g}: none)",
+        f"to force over-budget reruns ({float(dflt('skew', ())):g}: none)",
     )
     g.add_argument(
         "--grow-pool",
@@ -213,7 +228,8 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
         metavar="N",
         help="moe_max_tokens_per_rank: the largest microbatch any step brings, "
         "declared up front, so that the capture step sizes the pools for it and no larger "
-        "step reruns (default: none; the pools grow at each new maximum; default engine)",
+        "step reruns (default: none; the pools grow at each new maximum; not with the jax "
+        "engine or --runner megatron)",
     )
     g.add_argument(
         "--grow-capacity",
@@ -224,21 +240,21 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
         "left less headroom (default: on); "
         "--no-grow-capacity keeps it at --a2a-capacity-factor (not with the jax engine)",
     )
-    e = p.add_argument_group(
-        "engine (--engine megatron: a Megatron-core GPTModel; --engine jax: te_paged.jax; "
-        "--engine torchtitan: torchtitan's Trainer and DeepSeek-V3 model)"
-    )
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    """``--engine`` and the flags several engines take, then each registered engine's group."""
+    from te_paged.tools.ab_engines import AB_ENGINES
+    from te_paged.tools.engine_configs import MegatronModelConfig
+
+    m = MegatronModelConfig()
+    shorts = "; ".join(f"--engine {e.name}: {e.short}" for e in AB_ENGINES.values() if e.short)
+    e = p.add_argument_group(f"engine ({shorts})")
     e.add_argument(
         "--engine",
-        choices=["default", "megatron", "jax", "torchtitan"],
+        choices=list(AB_ENGINES),
         default="default",
-        help="default: the embedded te_paged model; megatron: Megatron-core's GPTModel with "
-        "te_paged's MoE spec, Megatron DDP, optimizer and forward_backward_func under "
-        "MegatronPagedStashRunner (needs megatron-core 0.19.2 or 0.16.1); jax: te_paged.jax's "
-        "ring-of-experts MoE stack in one process on CPU, memory from XLA's compiled memory "
-        "analysis (needs the jax extra; model defaults: docs/jax.md); torchtitan: a tiny "
-        "torchtitan DeepSeek-V3 under te_paged's PagedStashTrainer (torchtitan's Trainer, "
-        "FSDP2, EP mesh, AdamW; needs torchtitan 0.3.0, docs/torchtitan.md)",
+        help="; ".join(f"{x.name}: {x.summary}" for x in AB_ENGINES.values()),
     )
     e.add_argument(
         "--ep",
@@ -246,11 +262,6 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
         help="expert-parallel size (megatron: default every rank; torchtitan: default every "
         "rank, the rest data parallel; jax: the ring's size and the capacity factor, default "
         "4; not with the default engine)",
-    )
-    e.add_argument(
-        "--dropout",
-        type=real(0, 1, strict_max=True),
-        help=f"hidden and attention dropout ({m.dropout}; megatron only)",
     )
     e.add_argument(
         "--seq-length",
@@ -266,27 +277,6 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
         type=integer(1),
         help=f"sequences per microbatch ({m.micro_batch_size}; megatron and torchtitan only)",
     )
-    knob(
-        e,
-        "--microbatches",
-        type=integer(1),
-        help=f"microbatches per step, gradient accumulation ({m.microbatches}; megatron only)",
-    )
-    knob(
-        e,
-        "--pipeline-parallel",
-        type=integer(1),
-        help=f"pipeline-parallel stages, Megatron's 1F1B schedule ({m.pipeline_parallel}; "
-        "megatron only; the expert-parallel size defaults to the ranks of one stage); the "
-        "memory table is per stage",
-    )
-    knob(
-        e,
-        "--virtual-stages",
-        type=integer(1),
-        help="virtual pipeline stages per rank: Megatron's interleaved schedule (megatron "
-        "only; needs --pipeline-parallel > 1)",
-    )
     e.add_argument(
         "--compile",
         nargs="?",
@@ -298,30 +288,9 @@ def _model_args(p: argparse.ArgumentParser, engines: bool = False) -> None:
         f"{' or '.join(COMPILE_BACKENDS)} (the flag alone: inductor; default and torchtitan "
         "engines; memory then from the allocator's running total, docs/configuration.md)",
     )
-    e.add_argument(
-        "--activation-checkpoint",
-        choices=["selective", "full"],
-        help="torchtitan's activation checkpointing: per-op selective (SelectiveAC) or full "
-        "(torchtitan only; default: none)",
-    )
-    e.add_argument(
-        "--overlap-grad-reduce",
-        action="store_true",
-        help="Megatron DDP's overlapped gradient all-reduce (megatron only)",
-    )
-    e.add_argument(
-        "--model",
-        choices=["gpt", "hybrid"],
-        help="the Megatron model: gpt (GPTModel, the default) or hybrid (megatron-core 0.19.2's "
-        "HybridModel, an attention and an MoE layer per --layers: *E*E...; megatron only)",
-    )
-    e.add_argument(
-        "--runner",
-        choices=["te_paged", "megatron"],
-        help="what drives the step: te_paged (MegatronPagedStashRunner, the default) or megatron "
-        "(Megatron's own PagedStashRunner, as Megatron-LM's pretrain() builds it, te_paged's "
-        "layers serving its calls; megatron-core 0.19.2; megatron only)",
-    )
+    for engine in AB_ENGINES.values():
+        if engine.arguments is not None:
+            engine.arguments(p.add_argument_group(engine.title))
 
 
 #: torch.compile backends ``ab --compile`` takes.
@@ -398,11 +367,6 @@ def _ab_parser(sub, common: argparse.ArgumentParser) -> None:
     )
     run.add_argument("--json", type=Path, help="write everything as JSON here")
     run.add_argument("--plot", type=Path, help="write a PNG of pool occupancy and memory here")
-    run.add_argument(
-        "--record-profile",
-        type=Path,
-        help="write the OFF run's routing profile (JSON) for `te-paged plan` (default engine only)",
-    )
     run.add_argument("--force", action="store_true", help="overwrite existing output files")
 
 

@@ -14,7 +14,7 @@ import importlib.util
 import os
 import sys
 
-from te_paged.tools.argtypes import check_output, open_output
+from te_paged.tools.argtypes import check_output, given, open_output
 from te_paged.tools.launch import (
     Interrupted,
     RankFailure,
@@ -36,22 +36,11 @@ MIN_STEPS = 2
 
 def model_config(args: argparse.Namespace):
     """The engine's model config from the parsed flags (``None`` flags take its defaults)."""
-    from te_paged.tools.engine_configs import (
-        MegatronModelConfig,
-        ModelConfig,
-        TorchtitanModelConfig,
-    )
+    from te_paged.tools.ab_engines import AB_ENGINES
 
     engine = getattr(args, "engine", "default")
     megatron = engine == "megatron"
-    if megatron:
-        cls = MegatronModelConfig
-    elif engine == "jax":
-        from te_paged.tools.jax_ab import JaxModelConfig as cls
-    elif engine == "torchtitan":
-        cls = TorchtitanModelConfig
-    else:
-        cls = ModelConfig
+    cls = AB_ENGINES[engine].config()
     fields = {f.name for f in dataclasses.fields(cls) if f.init}
     kw = {k: v for k, v in vars(args).items() if k in fields and v is not None}
     for flag, schedule in (("tokens", "token_schedule"), ("seq_length", "seq_schedule")):
@@ -151,17 +140,17 @@ def _check_jax_args(args: argparse.Namespace) -> str | None:
         ("skip_immediate_backward", "--skip-immediate-backward (the JAX port pages every layer)"),
     ]
     refused += [(n, f"--{n.replace('_', '-')}") for n in _MEGATRON_ONLY if n != "ep"]
-    given = [flag for name, flag in refused if getattr(args, name, None) not in (None, False)]
+    wrong = given(args, refused)
     if args.activation not in (None, "swiglu"):
-        given.append("--activation")
+        wrong.append("--activation")
     if isinstance(args.tokens, tuple):
-        given.append("--tokens with a variable-length schedule")
+        wrong.append("--tokens with a variable-length schedule")
     if getattr(args, "grow_capacity", None) is not None:
-        given.append("--grow-capacity" if args.grow_capacity else "--no-grow-capacity")
+        wrong.append("--grow-capacity" if args.grow_capacity else "--no-grow-capacity")
     if getattr(args, "a2a_capacity_factor", None) is not None:
-        given.append("--a2a-capacity-factor")
-    if given:
-        return f"{', '.join(given)}: not available with --engine jax"
+        wrong.append("--a2a-capacity-factor")
+    if wrong:
+        return f"{', '.join(wrong)}: not available with --engine jax"
     if args.device == "cuda":
         return "--device cuda: the jax engine runs on CPU (the jax extra is CPU JAX)"
     args.device = "cpu"
@@ -193,12 +182,12 @@ def _check_torchtitan_args(args: argparse.Namespace) -> str | None:
     ]
     refused += [(n, f"--{n.replace('_', '-')}") for n in _MEGATRON_ONLY
                 if n not in ("ep", "seq_length", "micro_batch_size")]  # fmt: skip
-    given = [flag for name, flag in refused if getattr(args, name, None) not in (None, False)]
+    wrong = given(args, refused)
     if args.activation not in (None, "swiglu"):
-        given.append("--activation")
-    if given:
+        wrong.append("--activation")
+    if wrong:
         return (
-            f"{', '.join(given)}: not available with --engine torchtitan (torchtitan's "
+            f"{', '.join(wrong)}: not available with --engine torchtitan (torchtitan's "
             "GroupedExperts: SwiGLU, bf16 grouped GEMMs; its own activation checkpointing: "
             "--activation-checkpoint)"
         )
@@ -277,10 +266,9 @@ def check_ab_args(args: argparse.Namespace) -> str | None:
     if problem:
         return problem
     if not megatron:
-        given = [f"--{n.replace('_', '-')}" for n in _MEGATRON_ONLY if getattr(args, n) not in
-                 (None, False)]  # fmt: skip
-        if given:
-            return f"{', '.join(given)}: only with --engine megatron"
+        wrong = given(args, _MEGATRON_ONLY)
+        if wrong:
+            return f"{', '.join(wrong)}: only with --engine megatron"
     elif args.tokens is not None:
         return (
             "--tokens: not with --engine megatron, whose tokens per rank are --seq-length x "

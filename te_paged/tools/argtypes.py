@@ -13,6 +13,7 @@ __all__ = [
     "MEGATRON_ALIASES",
     "OneLineParser",
     "check_output",
+    "given",
     "integer",
     "knob",
     "open_output",
@@ -34,6 +35,14 @@ MEGATRON_ALIASES: dict[str, tuple[str, ...]] = {
     "--microbatches": ("--num-microbatches",),
     "--microbatch-group-size": ("--microbatch-group-size-per-virtual-pipeline-stage",),
 }
+
+
+def given(args: argparse.Namespace, names) -> list[str]:
+    """The flags among ``names`` (attribute names, or ``(name, flag)`` pairs) that were given: a
+    value other than None (a default nothing set) or a switch's False; 0 and 0.0 are values."""
+    pairs = [(n, f"--{n.replace('_', '-')}") if isinstance(n, str) else n for n in names]
+    values = [(flag, getattr(args, name, None)) for name, flag in pairs]
+    return [flag for flag, value in values if value is not None and value is not False]
 
 
 def knob(g, flag: str, **kw) -> argparse.Action:

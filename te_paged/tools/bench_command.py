@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from te_paged.tools.ab_command import model_config
-from te_paged.tools.argtypes import check_output
+from te_paged.tools.argtypes import check_output, given
 
 __all__ = ["check_bench_args", "run_bench_command"]
 
@@ -40,12 +40,6 @@ def _reports(args: argparse.Namespace) -> list[Path]:
     return [args.out_dir / name for name in names]
 
 
-def _given(args: argparse.Namespace, names) -> list[str]:
-    return [
-        f"--{n.replace('_', '-')}" for n in names if getattr(args, n, None) not in (None, False)
-    ]
-
-
 def check_bench_args(args: argparse.Namespace) -> str | None:
     """A one-line problem with the flags or the output folder, or None."""
     from te_paged.tools.model import ModelConfig
@@ -59,9 +53,9 @@ def check_bench_args(args: argparse.Namespace) -> str | None:
         (_BOTH, {"stash", "step"}, "the stash and step benchmarks"),
         (("repeats",), {"stash", "step", "host"}, "the stash, step and host benchmarks"),
     ):
-        given = _given(args, names)
-        if given and not takers & set(kinds):
-            return f"{', '.join(given)}: only for {what}"
+        flags = given(args, names)
+        if flags and not takers & set(kinds):
+            return f"{', '.join(flags)}: only for {what}"
     if args.repeats is None:
         args.repeats = DEFAULT_REPEATS
     if args.device == "auto":

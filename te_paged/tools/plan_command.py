@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from te_paged.tools.argtypes import factor, integer, knob, real
+from te_paged.tools.argtypes import factor, given, integer, knob, real
 
 __all__ = [
     "MODEL_DEFAULTS",
@@ -54,10 +54,6 @@ def _gib(b: float) -> str:
     return f"{b / 2**30:.2f} GiB"
 
 
-def _given(args: argparse.Namespace, names) -> list[str]:
-    return [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) not in (None, False)]
-
-
 def check_plan_args(args: argparse.Namespace) -> str | None:
     """A one-line problem with the flags (or the profile file), or None; fills in defaults."""
     from te_paged.runtime import planner
@@ -66,7 +62,7 @@ def check_plan_args(args: argparse.Namespace) -> str | None:
         return "give exactly one of --profile or --model"
     mine, other = (MODEL_DEFAULTS, PROFILE_DEFAULTS) if args.model else (PROFILE_DEFAULTS,
                                                                         MODEL_DEFAULTS)  # fmt: skip
-    wrong = _given(args, other)
+    wrong = given(args, other)
     if wrong:
         return f"{', '.join(wrong)}: only with {'--profile' if args.model else '--model'}"
     if args.model and args.ring_of_experts and args.skip_immediate_backward:

@@ -23,14 +23,15 @@ import math
 from typing import Any
 
 from te_paged._version import __version__
+from te_paged.tools.ab_engines import AB_ENGINES
 from te_paged.tools.ab_result import ABResult
 
 __all__ = ["ENGINES", "SCHEMA_FILE", "SCHEMA_VERSION", "build_record", "dumps", "load_schema"]
 
 SCHEMA_VERSION = 1
 SCHEMA_FILE = "run_record.schema.json"
-#: ``te-paged ab --engine`` values; the record says which one ran.
-ENGINES = ("default", "megatron", "jax", "torchtitan")
+#: ``te-paged ab --engine`` values (the registry's); the record says which one ran.
+ENGINES = tuple(AB_ENGINES)
 
 
 def _finite(value: Any) -> Any:
