@@ -1,7 +1,5 @@
 """``python -m te_paged`` is ``te-paged``."""
 
-import sys
+from te_paged.cli import entry
 
-from te_paged.cli import main
-
-sys.exit(main())
+entry()

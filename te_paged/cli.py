@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -489,5 +490,17 @@ def main(argv: list[str] | None = None) -> int:
         return 3
 
 
+def entry() -> None:
+    """The ``te-paged`` program: :func:`main`'s status, as a rank of torchrun's (``RANK`` and
+    ``WORLD_SIZE`` set) without the interpreter's teardown
+    (:func:`te_paged.tools.launch.leave`)."""
+    status = main()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        from te_paged.tools.launch import leave
+
+        leave(status)
+    sys.exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

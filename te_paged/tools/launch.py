@@ -207,18 +207,23 @@ def _entry(
             traceback.print_exc()
         sys.stderr.flush()
         os._exit(3)
-    # Done, result written (rank 0) after the run's final barrier. Leave without the
-    # interpreter's teardown: under load, gloo's native threads were seen to abort a spawned
-    # rank at exit ("terminate called without an active exception"), failing a complete run.
-    # What the skipped teardown would have released must still be: multiprocessing's own
-    # finalizers unlink the named semaphores this rank created (torch.fx's interpreter builds
-    # a tqdm bar under torch.compile, and tqdm's lock is one), else the parent's
-    # resource_tracker warns of leaked semaphores at exit.
+    # Done, result written (rank 0) after the run's final barrier.
     watchdog.stop()
+    leave(0)
+
+
+def leave(status: int):
+    """End this rank's process with ``status`` without the interpreter's teardown: under load,
+    gloo's native threads were seen to abort a rank at exit ("terminate called without an
+    active exception"), failing a complete run (a spawned rank's, and one of torchrun's). What
+    the skipped teardown would have released must still be: multiprocessing's own finalizers
+    unlink the named semaphores this rank created (torch.fx's interpreter builds a tqdm bar
+    under torch.compile, and tqdm's lock is one), else a parent's resource_tracker warns of
+    leaked semaphores at exit. The caller has closed its files."""
     multiprocessing.util._run_finalizers(0)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)
 
 
 def rendezvous_url(watchdog: RankWatchdog) -> str:
