@@ -19,13 +19,15 @@ over them. A row *allows* 128-bit accesses when its bytes are a multiple of 16.
 
 Run in a process without ``TRITON_INTERPRET=1`` (the kernels must be ``JITFunction`` objects):
 ``te-paged bench --only kernels`` starts one, or ``python -m te_paged.tools.kernel_table --json
-F``.
+F``. :func:`compile_kernel` and :func:`resource_usage` serve one launch at a time (the GPU
+check's registers and occupancy: :mod:`te_paged.tools.occupancy`).
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -35,13 +37,23 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from te_paged.tools.launches import Launch, megatron_available, recorded_launches
 
-__all__ = ["ARCHS", "KernelRow", "compile_launch", "kernel_report", "kernel_rows", "main"]
+__all__ = [
+    "ARCHS",
+    "KernelRow",
+    "compile_kernel",
+    "compile_launch",
+    "kernel_report",
+    "kernel_rows",
+    "main",
+    "resource_usage",
+]
 
 ARCHS = (90, 100)  # Hopper, Blackwell
 _TOKENS, _PAGE_SIZE = 4096, 64
@@ -173,9 +185,10 @@ def megatron_cases(widths: tuple[int, ...] = (7168,)) -> list[Case]:
     return cases
 
 
-def compile_launch(launch: Launch, arch: int) -> dict[str, object]:
+def compile_kernel(launch: Launch, arch: int):
     """``launch`` compiled for ``sm_<arch>`` with the specialisation a launch on that GPU would
-    get; returns Triton's ``asm`` (``ptx``, ``cubin``, ...)."""
+    get (its arguments' divisibility, the constants): Triton's ``CompiledKernel`` (``asm``,
+    ``metadata.num_warps``, ...)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
@@ -185,7 +198,8 @@ def compile_launch(launch: Launch, arch: int) -> dict[str, object]:
     if not isinstance(fn, JITFunction):
         raise RuntimeError(
             f"{launch.name} is a {type(fn).__name__}: the kernels are interpreted in this "
-            "process (TRITON_INTERPRET=1); compile them in one without it"
+            "process (TRITON_INTERPRET=1); compile them in one without it "
+            "(te_paged.tools.occupancy.compiled_resources does)"
         )
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
@@ -195,7 +209,12 @@ def compile_launch(launch: Launch, arch: int) -> dict[str, object]:
         backend, launch.kwargs, bound, specialization, options
     )
     source = ASTSource(fn, signature, constexprs, attrs)
-    return triton.compile(source, target=target, options=options.__dict__).asm
+    return triton.compile(source, target=target, options=options.__dict__)
+
+
+def compile_launch(launch: Launch, arch: int) -> dict[str, object]:
+    """:func:`compile_kernel`'s ``asm`` (``ptx``, ``cubin``, ...)."""
+    return compile_kernel(launch, arch).asm
 
 
 def _tool(name: str) -> str:
@@ -272,17 +291,22 @@ def _mark_row_loads(instrs: list[_Instr]) -> None:
                     break
 
 
+@contextlib.contextmanager
+def _on_disk(cubin: bytes) -> Iterator[Path]:
+    """``cubin`` in a temporary file, for the CUDA binary utilities."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(cubin)
+        yield path
+
+
 def _sass(cubin: bytes) -> tuple[list[_Instr], dict[str, int]]:
     """The SASS instructions, the row copy's marked, and the resource usage."""
     import linecache
 
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "k.cubin"
-        path.write_bytes(cubin)
+    with _on_disk(cubin) as path:
         dump = subprocess.run([_tool("nvdisasm"), "-c", "-gi", str(path)], capture_output=True,
                               text=True, check=True).stdout  # fmt: skip
-        usage = subprocess.run([_tool("cuobjdump"), "-res-usage", str(path)],
-                               capture_output=True, text=True, check=True).stdout  # fmt: skip
     instrs, source, labels, pending = [], "", {}, []
     for line in dump.splitlines():
         label = re.match(r"^\s*(\.L_x_\d+):", line)
@@ -304,8 +328,16 @@ def _sass(cubin: bytes) -> tuple[list[_Instr], dict[str, int]]:
         ins.operands = re.sub(r"`\((\.L_x_\d+)\)", lambda m: hex(labels.get(m.group(1), -1)),
                               ins.operands)  # fmt: skip
     _mark_row_loads(instrs)
-    resources = {k: int(v) for k, v in re.findall(r"(REG|SHARED|LOCAL|STACK):(\d+)", usage)}
-    return instrs, resources
+    return instrs, resource_usage(cubin)
+
+
+def resource_usage(cubin: bytes) -> dict[str, int]:
+    """What ``cuobjdump -res-usage`` says of ``cubin``: ``REG`` (registers a thread), ``SHARED``
+    (bytes of shared memory a block), ``LOCAL`` and ``STACK`` (bytes a thread)."""
+    with _on_disk(cubin) as path:
+        usage = subprocess.run([_tool("cuobjdump"), "-res-usage", str(path)],
+                               capture_output=True, text=True, check=True).stdout  # fmt: skip
+    return {k: int(v) for k, v in re.findall(r"(REG|SHARED|LOCAL|STACK):(\d+)", usage)}
 
 
 def _bits(opcode: str) -> int:

@@ -3,7 +3,7 @@
 What CPU can test: the default's resolution (``torch.cuda`` patched to report a device, never
 allocating on it), and the check itself, with a ``meta`` tensor standing for a tensor on
 another device. A real GPU run of the README's snippet with the default device is in
-scripts/gpu_check.py's territory, not here.
+the GPU check's territory (benchmarks/gpu_check), not here.
 """
 
 from __future__ import annotations

@@ -152,7 +152,8 @@ def test_side_streams_with_the_last_layer_kept(schedule) -> None:
 
 def _captured(schedule: str, lookahead: int) -> tuple[RecordingStreams, list[torch.Tensor]]:
     """The capture step and a paged step eagerly, then step 2 inside a CUDA graph capture
-    (``RecordingStreams.capture``), as ``scripts/gpu_check.py`` captures one on a GPU."""
+    (``RecordingStreams.capture``), as the GPU check (``benchmarks/gpu_check``, checks 4 and 5)
+    captures one on a GPU."""
     fake = RecordingStreams()
     manager = _manager(fake, lookahead)
     for step in range(2):  # the paged step leaves side-stream events behind
