@@ -20,11 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 pytest.importorskip("torchtitan")
 
 from te_paged.integrations.torchtitan.hybridep import padded_worst_case_rows
+
+from .spawn import run_ranks
 
 WORLD, EXPERTS, TOPK, TOKENS, PAD, WIDTH = 4, 8, 4, 128, 24, 16
 pytestmark = pytest.mark.timeout(180)
@@ -44,12 +45,13 @@ def test_the_padded_worst_case_is_the_largest_padded_demand() -> None:
     assert padded_worst_case_rows(TOKENS, WORLD, 2, TOPK, 1) == WORLD * TOKENS * 2  # no padding
 
 
-def _rank(rank: int, store: str, out: str) -> None:
+def _rank(rank: int, out: str) -> None:
     import functional_tests.stand_ins.hybrid_ep_installed  # noqa: F401  (deep_ep stand-in)
     from te_paged.integrations.torchtitan import cpu_shims
 
     cpu_shims.install()
     torch.set_num_threads(1)
+    store = (Path(out) / "store").as_uri()
     dist.init_process_group("gloo", init_method=store, rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=60))  # fmt: skip
     try:
@@ -88,15 +90,14 @@ def _rank(rank: int, store: str, out: str) -> None:
         budget.set_capacity_factor(fits)
         rows.append(dispatch())
         torch.save({"rows": rows, "max_factor": budget.max_factor, "fits": fits,
-                    "need": int(need)}, f"{out}/{rank}.pt")  # fmt: skip
+                    "need": int(need)}, f"{out}/rank{rank}.pt")  # fmt: skip
         dist.barrier()  # leave together: gloo torn down under a talking peer can abort
     finally:
         dist.destroy_process_group()
 
 
 def test_four_ranks_the_budget_grows_past_one_to_what_padding_needs(tmp_path: Path) -> None:
-    mp.spawn(_rank, args=((tmp_path / "store").as_uri(), str(tmp_path)), nprocs=WORLD)
-    got = [torch.load(tmp_path / f"{r}.pt") for r in range(WORLD)]
+    got = run_ranks(__name__, _rank, tmp_path, WORLD)
     worst = padded_worst_case_rows(TOKENS, WORLD, EXPERTS // WORLD, TOPK, PAD)
     assert worst == 1056
     for rank, g in enumerate(got):

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from functional_tests.stand_ins import deep_ep
+from tests.distributed.spawn import run_ranks
 
 # Four tokens, two experts (one rank): token 0 -> e0, e1; token 1 -> e1; token 2 -> e0;
 # token 3 -> none. Off-route probabilities are not zero: a read of the wrong column shows.
@@ -212,7 +212,8 @@ def _hidden(rank: int) -> torch.Tensor:
     return (base + 100 * rank).bfloat16()
 
 
-def _two_ranks(rank: int, store: str, out: str) -> None:
+def _two_ranks(rank: int, out: str) -> None:
+    store = (Path(out) / "store").as_uri()
     dist.init_process_group("gloo", init_method=store, rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=60))  # fmt: skip
     try:
@@ -234,18 +235,18 @@ def _two_ranks(rank: int, store: str, out: str) -> None:
         dist.barrier()
         torch.save({"rows": rows, "counts": counts, "flag": int(handle[-1]),
                     "combined": combined, "probs": got_probs, "mixed": mixed},
-                   f"{out}/{rank}.pt")  # fmt: skip
+                   f"{out}/rank{rank}.pt")  # fmt: skip
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.timeout(120)
 def test_two_ranks_padded_dispatch_and_bf16_combine(tmp_path: Path) -> None:
-    mp.spawn(_two_ranks, args=((tmp_path / "store").as_uri(), str(tmp_path)), nprocs=WORLD)
+    results = run_ranks(__name__, _two_ranks, tmp_path, WORLD)
     routing = [_routing(r) for r in range(WORLD)]
     hidden = [_hidden(r) for r in range(WORLD)]
     for rank in range(WORLD):
-        got = torch.load(tmp_path / f"{rank}.pt")
+        got = results[rank]
         assert got["rows"].dtype == got["combined"].dtype == torch.bfloat16
         want_rows, want_counts = [], []
         for e in range(LOCAL):  # by local expert, then (source rank, token), padded to 4
@@ -264,7 +265,7 @@ def test_two_ranks_padded_dispatch_and_bf16_combine(tmp_path: Path) -> None:
         copies = routing[rank].sum(1, keepdim=True).bfloat16()
         assert torch.equal(got["combined"], hidden[rank] * copies)
     # Rank 0 gets back the ones it sent for its own experts' rows, zeros from rank 1 (none).
-    assert torch.load(tmp_path / "1.pt")["mixed"] is None
+    assert results[1]["mixed"] is None
     want = routing[0].float()
     want[:, LOCAL:] = 0
-    assert torch.equal(torch.load(tmp_path / "0.pt")["mixed"], want)
+    assert torch.equal(results[0]["mixed"], want)
