@@ -25,11 +25,14 @@ from te_paged.tools.launch import (
 
 __all__ = ["check_ab_args", "model_config", "run_ab_command"]
 
-# Flags of one engine only (their defaults are None: the engine's config fills them in).
+# Flags the default engine refuses (their defaults are None: the engine's config fills them in),
+# the megatron engine's, three of them taken by other engines too (_TAKEN_BY).
 _MEGATRON_ONLY = (
     "ep", "dropout", "overlap_grad_reduce", "seq_length", "micro_batch_size", "microbatches",
     "pipeline_parallel", "virtual_stages", "model", "runner",
 )  # fmt: skip
+_TAKEN_BY = {"--ep": "megatron, torchtitan or jax", "--seq-length": "megatron or torchtitan",
+             "--micro-batch-size": "megatron or torchtitan"}  # fmt: skip
 #: The capture step, then one step that runs with the pool: the least a saving is measured on.
 MIN_STEPS = 2
 
@@ -268,7 +271,10 @@ def check_ab_args(args: argparse.Namespace) -> str | None:
     if not megatron:
         wrong = given(args, _MEGATRON_ONLY)
         if wrong:
-            return f"{', '.join(wrong)}: only with --engine megatron"
+            takers: dict[str, list[str]] = {}
+            for flag in wrong:
+                takers.setdefault(_TAKEN_BY.get(flag, "megatron"), []).append(flag)
+            return "; ".join(f"{', '.join(f)}: only with --engine {e}" for e, f in takers.items())
     elif args.tokens is not None:
         return (
             "--tokens: not with --engine megatron, whose tokens per rank are --seq-length x "

@@ -59,3 +59,17 @@ def test_the_run_records_engines_are_the_registrys() -> None:
     schema = json.loads(resources.files("te_paged.tools").joinpath("run_record.schema.json")
                         .read_text())  # fmt: skip
     assert schema["properties"]["engine"]["enum"] == list(AB_ENGINES)
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--ep", "2"), ("--seq-length", "64"),
+                                             ("--micro-batch-size", "2")])  # fmt: skip
+def test_the_default_engine_names_every_engine_that_takes_a_shared_flag(flag, value, monkeypatch):
+    monkeypatch.setattr(ab_command, "_megatron_missing", lambda cfg: None)
+    problem = ab_command.check_ab_args(cli._parser().parse_args(["ab", flag, value]))
+    assert problem is not None and problem.startswith(f"{flag}: only with --engine "), problem
+    named = problem.removeprefix(f"{flag}: only with --engine ").replace(" or ", ", ").split(", ")
+    assert len(named) > 1, problem
+    for engine in named:
+        args = cli._parser().parse_args(["ab", "--engine", engine, flag, value])
+        refused = ab_command.check_ab_args(args)
+        assert refused is None or flag not in refused, (engine, refused)
