@@ -699,7 +699,11 @@ def test_ab_engine_megatron_pipeline_prints_each_stage(launches) -> None:
         (["--engine", "megatron", "--fp8", "mxfp8"], "--fp8 is not available with --engine"),
         (["--engine", "megatron", "--record-profile", "p.json"], "--record-profile is not"),
         (["--dropout", "0.1"], "--dropout: only with --engine megatron"),
-        (["--ep", "2", "--overlap-grad-reduce"], "--ep, --overlap-grad-reduce: only with"),
+        (
+            ["--ep", "2", "--overlap-grad-reduce"],
+            "--ep: only with --engine megatron, torchtitan or jax; --overlap-grad-reduce: only with "
+            "--engine megatron",
+        ),
         (["--engine", "megatron", "--compile"], "--compile: not with --engine megatron"),
         (["--engine", "jax", "--compile", "aot_eager"], "--compile (te_paged.jax is compiled"),
         (["--compile", "--recompute"], "--recompute with --compile needs --op-fuser"),
