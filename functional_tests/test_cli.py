@@ -701,8 +701,8 @@ def test_ab_engine_megatron_pipeline_prints_each_stage(launches) -> None:
         (["--dropout", "0.1"], "--dropout: only with --engine megatron"),
         (
             ["--ep", "2", "--overlap-grad-reduce"],
-            "--ep: only with --engine megatron, torchtitan or jax; --overlap-grad-reduce: only with "
-            "--engine megatron",
+            "--ep: only with --engine megatron, torchtitan or jax; "
+            "--overlap-grad-reduce: only with --engine megatron",
         ),
         (["--engine", "megatron", "--compile"], "--compile: not with --engine megatron"),
         (["--engine", "jax", "--compile", "aot_eager"], "--compile (te_paged.jax is compiled"),
