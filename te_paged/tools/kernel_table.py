@@ -17,6 +17,10 @@ is bookkeeping). Its *bytes* per iteration and thread are those of its buffer-si
 (the loads of a stash, the stores of a pop), its *instructions per byte* the loop's instructions
 over them. A row *allows* 128-bit accesses when its bytes are a multiple of 16.
 
+The row copy's stores are known by their source lines (the cubin's line info), so the kernels
+compile into a Triton cache of their source files' own (:func:`checkout_cache`): the shared one
+may hand back a cubin another checkout compiled, whose line info names that checkout's files.
+
 Run in a process without ``TRITON_INTERPRET=1`` (the kernels must be ``JITFunction`` objects):
 ``te-paged bench --only kernels`` starts one, or ``python -m te_paged.tools.kernel_table --json
 F``. :func:`compile_kernel` and :func:`resource_usage` serve one launch at a time (the GPU
@@ -30,6 +34,8 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
+import hashlib
+import inspect
 import json
 import os
 import re
@@ -47,6 +53,7 @@ from te_paged.tools.launches import Launch, megatron_available, recorded_launche
 __all__ = [
     "ARCHS",
     "KernelRow",
+    "checkout_cache",
     "compile_kernel",
     "compile_launch",
     "kernel_report",
@@ -212,6 +219,21 @@ def compile_kernel(launch: Launch, arch: int):
     return triton.compile(source, target=target, options=options.__dict__)
 
 
+@contextlib.contextmanager
+def checkout_cache(launches: list[Launch]) -> Iterator[None]:
+    """Triton's cache, in a directory of its own for these kernels' source files. Triton keys a
+    compiled kernel by its source text and line numbers, not by its file's path: a cubin cached
+    by a checkout elsewhere names that checkout's files in its line info, which is how the row
+    copy's stores are found (gone or edited there, nothing is found here)."""
+    from triton import knobs
+
+    files = sorted({inspect.getsourcefile(launch.kernel.fn) or "" for launch in launches})
+    key = hashlib.sha256("\0".join(files).encode()).hexdigest()[:16]
+    with knobs.cache.scope():
+        knobs.cache.dir = os.path.join(knobs.cache.dir, "te_paged-by-source-path", key)
+        yield
+
+
 def compile_launch(launch: Launch, arch: int) -> dict[str, object]:
     """:func:`compile_kernel`'s ``asm`` (``ptx``, ``cubin``, ...)."""
     return compile_kernel(launch, arch).asm
@@ -315,6 +337,12 @@ def _sass(cubin: bytes) -> tuple[list[_Instr], dict[str, int]]:
             continue
         where = _WHERE.match(line)
         if where:
+            if not os.path.exists(where.group(1)):
+                raise RuntimeError(
+                    f"the cubin's line info names {where.group(1)}, which does not exist: "
+                    "compiled from sources elsewhere (a Triton cache entry of another "
+                    "checkout?); compile under checkout_cache()"
+                )
             source = linecache.getline(where.group(1), int(where.group(2)))
             continue
         m = _INSTR.match(line)
@@ -396,8 +424,9 @@ def kernel_rows(archs: tuple[int, ...] = ARCHS) -> tuple[list[KernelRow], str | 
     ok, why_not = megatron_available()
     if ok:
         cases += megatron_cases()
-    builds = [(case, arch, compile_launch(case.launch, arch)["cubin"]) for arch in archs
-              for case in cases]  # fmt: skip
+    with checkout_cache([case.launch for case in cases]):
+        builds = [(case, arch, compile_launch(case.launch, arch)["cubin"]) for arch in archs
+                  for case in cases]  # fmt: skip
     # Disassembly is most of the time (~0.5 s a call, mostly nvdisasm's start): once per
     # distinct cubin, on every core.
     distinct = list(dict.fromkeys(cubin for _, _, cubin in builds))
