@@ -92,6 +92,7 @@ def test_without_jax_the_port_and_the_engine_say_how_to_install_it() -> None:
 
 
 @pytest.mark.torch_free
+@pytest.mark.torch_blocked
 def test_te_paged_jax_imports_and_runs_without_torch() -> None:
     """Blocks torch where it is installed; the environment without torch runs this as well."""
     pytest.importorskip("jax")
@@ -135,6 +136,7 @@ def test_with_torch_installed_te_paged_jax_still_does_not_import_it() -> None:
 
 
 @pytest.mark.torch_free
+@pytest.mark.torch_blocked
 def test_the_cli_without_torch_plans_runs_the_jax_engine_and_names_the_extra(tmp_path) -> None:
     """``te-paged plan`` and ``te-paged ab --engine jax`` need no torch (blocked where it is
     installed); a torch-only command, or a torch-only package, says which extra in one line.
