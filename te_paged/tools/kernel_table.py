@@ -17,9 +17,9 @@ is bookkeeping). Its *bytes* per iteration and thread are those of its buffer-si
 (the loads of a stash, the stores of a pop), its *instructions per byte* the loop's instructions
 over them. A row *allows* 128-bit accesses when its bytes are a multiple of 16.
 
-The row copy's stores are known by their source lines (the cubin's line info), so the kernels
-compile into a Triton cache of their source files' own (:func:`checkout_cache`): the shared one
-may hand back a cubin another checkout compiled, whose line info names that checkout's files.
+The row copy's stores are known by their source lines (the cubin's line info), read from the
+sources imported here (:func:`source_roots`): Triton's cache may hand back a cubin another
+checkout compiled, whose line info names that checkout's files.
 
 Run in a process without ``TRITON_INTERPRET=1`` (the kernels must be ``JITFunction`` objects):
 ``te-paged bench --only kernels`` starts one, or ``python -m te_paged.tools.kernel_table --json
@@ -34,7 +34,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
-import hashlib
 import inspect
 import json
 import os
@@ -53,13 +52,13 @@ from te_paged.tools.launches import Launch, megatron_available, recorded_launche
 __all__ = [
     "ARCHS",
     "KernelRow",
-    "checkout_cache",
     "compile_kernel",
     "compile_launch",
     "kernel_report",
     "kernel_rows",
     "main",
     "resource_usage",
+    "source_roots",
 ]
 
 ARCHS = (90, 100)  # Hopper, Blackwell
@@ -219,19 +218,30 @@ def compile_kernel(launch: Launch, arch: int):
     return triton.compile(source, target=target, options=options.__dict__)
 
 
-@contextlib.contextmanager
-def checkout_cache(launches: list[Launch]) -> Iterator[None]:
-    """Triton's cache, in a directory of its own for these kernels' source files. Triton keys a
-    compiled kernel by its source text and line numbers, not by its file's path: a cubin cached
-    by a checkout elsewhere names that checkout's files in its line info, which is how the row
-    copy's stores are found (gone or edited there, nothing is found here)."""
-    from triton import knobs
+def source_roots(launches: list[Launch]) -> dict[str, Path]:
+    """Each launched kernel's top-level package (``te_paged``, ``megatron``) and the folder it is
+    imported from here."""
+    roots = {}
+    for launch in launches:
+        names = launch.kernel.fn.__module__.split(".")
+        path = Path(inspect.getsourcefile(launch.kernel.fn) or "")
+        # (by the module's own file: a namespace package, as megatron is, has none)
+        roots[names[0]] = path.parents[len(names) - (1 if path.stem == "__init__" else 2)]
+    return roots
 
-    files = sorted({inspect.getsourcefile(launch.kernel.fn) or "" for launch in launches})
-    key = hashlib.sha256("\0".join(files).encode()).hexdigest()[:16]
-    with knobs.cache.scope():
-        knobs.cache.dir = os.path.join(knobs.cache.dir, "te_paged-by-source-path", key)
-        yield
+
+def _here(recorded: str, roots: dict[str, Path]) -> str:
+    """The file a cubin's line info names, among the sources imported here. Triton keys a
+    compiled kernel by its source text and the first lines of it and of every function it calls,
+    not by their files' paths: a cached cubin may name another checkout's files (gone, or edited
+    since), at the lines this checkout's have."""
+    parts = Path(recorded).parts
+    for i in range(len(parts) - 1, -1, -1):  # the innermost folder named as a package
+        if parts[i] in roots:
+            here = roots[parts[i]].joinpath(*parts[i + 1 :])
+            if here.exists():
+                return str(here)
+    return recorded
 
 
 def compile_launch(launch: Launch, arch: int) -> dict[str, object]:
@@ -322,8 +332,9 @@ def _on_disk(cubin: bytes) -> Iterator[Path]:
         yield path
 
 
-def _sass(cubin: bytes) -> tuple[list[_Instr], dict[str, int]]:
-    """The SASS instructions, the row copy's marked, and the resource usage."""
+def _sass(cubin: bytes, roots: dict[str, Path]) -> tuple[list[_Instr], dict[str, int]]:
+    """The SASS instructions, the row copy's marked (its sources read under ``roots``:
+    :func:`source_roots`), and the resource usage."""
     import linecache
 
     with _on_disk(cubin) as path:
@@ -337,13 +348,13 @@ def _sass(cubin: bytes) -> tuple[list[_Instr], dict[str, int]]:
             continue
         where = _WHERE.match(line)
         if where:
-            if not os.path.exists(where.group(1)):
+            path = _here(where.group(1), roots)
+            if not os.path.exists(path):
                 raise RuntimeError(
-                    f"the cubin's line info names {where.group(1)}, which does not exist: "
-                    "compiled from sources elsewhere (a Triton cache entry of another "
-                    "checkout?); compile under checkout_cache()"
+                    f"the cubin's line info names {path}, which is not among the sources "
+                    f"imported here ({', '.join(map(str, roots.values()))})"
                 )
-            source = linecache.getline(where.group(1), int(where.group(2)))
+            source = linecache.getline(path, int(where.group(2)))
             continue
         m = _INSTR.match(line)
         if m:
@@ -424,14 +435,14 @@ def kernel_rows(archs: tuple[int, ...] = ARCHS) -> tuple[list[KernelRow], str | 
     ok, why_not = megatron_available()
     if ok:
         cases += megatron_cases()
-    with checkout_cache([case.launch for case in cases]):
-        builds = [(case, arch, compile_launch(case.launch, arch)["cubin"]) for arch in archs
-                  for case in cases]  # fmt: skip
+    builds = [(case, arch, compile_launch(case.launch, arch)["cubin"]) for arch in archs
+              for case in cases]  # fmt: skip
+    roots = source_roots([case.launch for case in cases])
     # Disassembly is most of the time (~0.5 s a call, mostly nvdisasm's start): once per
     # distinct cubin, on every core.
     distinct = list(dict.fromkeys(cubin for _, _, cubin in builds))
     with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-        sass = dict(zip(distinct, pool.map(_sass, distinct)))
+        sass = dict(zip(distinct, pool.map(lambda cubin: _sass(cubin, roots), distinct)))
     rows = [analyse(case, arch, sass[cubin]) for case, arch, cubin in builds]
     return rows, None if ok else why_not
 

@@ -1,48 +1,50 @@
-"""The compiled-kernel table finds the row copy by the cubin's line info: it must read the
-sources the cubin was compiled from, never another checkout's (Triton's cache keys a kernel by
-its source text and line numbers, not by its file's path)."""
+"""The compiled-kernel table finds the row copy by the cubin's line info: it reads the sources
+imported here, whichever checkout compiled the cubin (Triton's cache keys a kernel by its source
+text and line numbers, not by its file's path; a cubin another checkout cached names that
+checkout's files, which may be gone)."""
 
 from __future__ import annotations
 
-import subprocess
 import types
+from pathlib import Path
 
 import pytest
 
-pytest.importorskip("triton")
-
-from triton import knobs
-
+import te_paged
 from te_paged.tools import kernel_table
 from te_paged.tools.launches import Launch
 
-
-def _launch(fn) -> Launch:
-    return Launch(kernel=types.SimpleNamespace(fn=fn), grid=(1,), args=(), kwargs={})
+STASH = Path(te_paged.__file__).parent / "kernels" / "triton_stash.py"
 
 
-def test_the_cache_is_one_of_the_kernels_source_files() -> None:
-    before = knobs.cache.dir
-    here = _launch(test_the_cache_is_one_of_the_kernels_source_files)
-    elsewhere = _launch(subprocess.run)  # a function of another file
-    with kernel_table.checkout_cache([here]):
-        mine = knobs.cache.dir
-    with kernel_table.checkout_cache([here]):
-        again = knobs.cache.dir
-    with kernel_table.checkout_cache([elsewhere]):
-        theirs = knobs.cache.dir
-    assert knobs.cache.dir == before, "the cache directory was not restored"
-    assert mine != before, "compiled into the shared cache, where another checkout's cubins are"
-    assert mine == again and mine != theirs, (mine, again, theirs)
+def _line(path: Path, text: str) -> int:
+    return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if text in line)
 
 
-def test_line_info_naming_a_missing_file_is_an_error(monkeypatch) -> None:
+def _sass(monkeypatch, recorded: str, line: int):
     dump = (
-        '        //## File "/gone/te_paged/kernels/triton_stash.py", line 12\n'
+        f'        //## File "{recorded}", line {line}\n'
         "        /*0070*/                   STG.E.128 desc[UR4][R2.64], R4 ;\n"
     )
     monkeypatch.setattr(kernel_table, "_tool", lambda name: name)
+    monkeypatch.setattr(kernel_table, "resource_usage", lambda cubin: {})
     monkeypatch.setattr(kernel_table.subprocess, "run",
                         lambda *a, **k: types.SimpleNamespace(stdout=dump))  # fmt: skip
-    with pytest.raises(RuntimeError, match=r"/gone/te_paged/kernels/triton_stash\.py"):
-        kernel_table._sass(b"cubin")
+    launch = Launch(kernel=types.SimpleNamespace(fn=kernel_table.analyse), grid=(1,), args=(),
+                    kwargs={})  # fmt: skip
+    roots = kernel_table.source_roots([launch])
+    assert roots == {"te_paged": STASH.parents[1]}, roots
+    return kernel_table._sass(b"cubin", roots)
+
+
+def test_a_cubin_cached_by_a_checkout_that_is_gone_reads_this_checkouts_sources(
+    monkeypatch,
+) -> None:
+    line = _line(STASH, "tl.store(dev_pool_ptr + pool_off")
+    (store,), _ = _sass(monkeypatch, "/gone/checkout/te_paged/kernels/triton_stash.py", line)
+    assert store.row_store, "the row copy's store was not found from the gone checkout's path"
+
+
+def test_line_info_naming_no_source_imported_here_is_an_error(monkeypatch) -> None:
+    with pytest.raises(RuntimeError, match=r"names /gone/elsewhere/stash\.py, which is not among"):
+        _sass(monkeypatch, "/gone/elsewhere/stash.py", 3)
