@@ -20,7 +20,9 @@ For the CPU only: a process that initialised CUDA cannot fork ranks that use it.
 
 Like torchrun: the first rank to fail ends the others (SIGTERM, then SIGKILL after
 :data:`GRACE_S`) and its exit status is the launcher's; SIGTERM or SIGINT to the launcher ends
-every rank.
+every rank. Unlike torchrun's, a rank ends without the interpreter's teardown (its ``atexit``
+handlers do not run; multiprocessing's finalizers do), as te-paged's own ranks end
+(``te_paged.tools.launch.leave``): gloo's native threads were seen to abort finished ranks there.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ import signal
 import sys
 import threading
 import time
+
+from te_paged.tools.launch import leave
 
 #: Seconds the other ranks get to end after SIGTERM before SIGKILL.
 GRACE_S = 10.0
@@ -142,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 sys.stdout.flush()
                 sys.stderr.flush()
-            sys.exit(code)
+            leave(code)  # without the interpreter's teardown (module docstring)
         os.close(read_fd)
         ranks[pid] = rank
         port_pipes.append(write_fd)

@@ -87,3 +87,17 @@ def test_an_import_that_starts_a_thread_is_refused_before_any_fork(tmp_path):
     )
     assert proc.returncode == 1 and "started threads (sleeper)" in proc.stdout, proc.stdout
     assert "a rank ran" not in proc.stdout
+
+
+def test_a_rank_ends_without_the_interpreters_teardown(tmp_path):
+    # gloo's native threads were seen to abort a rank in the teardown after a complete run; a
+    # teardown that aborts stands in for them.
+    script = _write(tmp_path, "worker.py", """
+        import atexit, os, sys
+        atexit.register(os.abort)
+        open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}"), "w").close()
+        """)  # fmt: skip
+    proc = run_python(["-m", "functional_tests.forkrun", "--nproc", "2", script, str(tmp_path)],
+                      timeout_s=60, merge_output=True)  # fmt: skip
+    assert proc.returncode == 0, f"a rank ran the interpreter's teardown:\n{proc.stdout}"
+    assert (tmp_path / "rank0").exists() and (tmp_path / "rank1").exists()
