@@ -28,6 +28,7 @@ tests waited for.
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 import threading
 import time
@@ -176,7 +177,9 @@ def folders(factory: Any) -> Callable[[str], Path]:
     ``mktemp`` then failed: "... is not a normalized and relative path"). The folders come
     from ``tempfile.mkdtemp``, which is safe on any thread; ``mktemp`` is not meant to be."""
     base = factory.getbasetemp()  # here, on the thread that plans the lane
-    return lambda name: Path(tempfile.mkdtemp(prefix=name.replace(" ", "_") + "-", dir=base))
+    # A group's name may hold paths (an environment's PYTHONPATH): one folder name of it.
+    return lambda name: Path(tempfile.mkdtemp(prefix=re.sub(r"[^\w.=:-]+", "_", name)[:120]
+                                              + "-", dir=base))  # fmt: skip
 
 
 def _thread_count() -> int:

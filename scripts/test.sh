@@ -5,6 +5,7 @@ source "$(dirname "$0")/env.sh"
 # Megatron-core 0.19.2 and 0.16.1 for the integration tests, pinned; --no-deps keeps them from
 # touching torch. Installed first: the compile warm-up below runs a Megatron test worker.
 source scripts/megatron.sh  # env.sh cd-ed to the repository root
+source scripts/bridge.sh  # Megatron-Bridge 0.6.2 in a folder of its own, in the background
 # Compile warm-up: where inductor's cache is empty (always in CI), the two parts of the suite
 # that compile most (the Megatron experts worker, the compiled-activation tests) fill it now,
 # niced, beside pip's installs, with the tests' settings, so the tests find their graphs
@@ -29,6 +30,7 @@ source scripts/jax_env.sh  # .venv-jax: Python 3.12, te_paged.jax without torch
 for pid in "${warm_compile[@]}"; do  # a failed warm-up costs only its time (the test compiles)
   wait "$pid" || true
 done
+bridge_wait
 [ -z "$warm_dir" ] || rm -rf "$warm_dir"
 "$VENV/bin/ruff" check .
 "$VENV/bin/ruff" format --check .

@@ -43,15 +43,16 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     import torch.distributed as dist
 
+    from functional_tests.megatron import worker_module
     from te_paged.integrations.megatron.releases import installed_version
 
-    workers = [importlib.import_module(f"functional_tests.megatron.{name}")
+    workers = [importlib.import_module(worker_module(name))
                for name in args.workers.split(",")]  # fmt: skip
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         for name, worker in zip(args.workers.split(","), workers, strict=True):
-            out = args.out / name
+            out = args.out / name.rsplit(".", 1)[-1]
             out.mkdir(parents=True, exist_ok=True)
             results = {
                 "world_size": world,

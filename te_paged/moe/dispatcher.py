@@ -385,6 +385,19 @@ class StaticBudgetDispatcher(nn.Module):
         finally:
             self._dropless_depth -= 1
 
+    @contextlib.contextmanager
+    def outside_step(self) -> Iterator[None]:
+        """A forward no runner checks (inference between training steps, autograd off):
+        dropless, so exact whatever the routing, with the step's counters, bytes and
+        microbatch sizes as they were before it (device copies back, no read)."""
+        counters = [(t, t.clone()) for _, t in self.named_buffers(recurse=False)]
+        host = self.bytes_sent, list(self.step_num_tokens)
+        with self.dropless_block():
+            yield
+        for t, before in counters:
+            t.copy_(before)
+        self.bytes_sent, self.step_num_tokens[:] = host
+
     def reset_flags(self) -> None:
         """Zero the device counters of the flags in place (allocation-free, sync-free); the
         byte counts are :meth:`reset_traffic`'s."""

@@ -78,6 +78,7 @@ says; without TE) (``hybrid_final_norm``;         the config says)
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -89,6 +90,7 @@ from te_paged.integrations.megatron.releases import (
     RELEASES,
     SUPPORTED,
     install_line,
+    installed_bridge_release,
     installed_release,
 )
 
@@ -347,10 +349,21 @@ def install(*, training_loop: bool = False) -> None:
             )
         from te_paged.integrations.megatron import cpu_loop_shims
 
+        bridge = installed_bridge_release()
+        if bridge is not None and "megatron.bridge" in sys.modules:  # before any patch
+            from te_paged.integrations.megatron import cpu_bridge_shims
+
+            cpu_bridge_shims.install(bridge.cpu_shims, bridge.version)  # raises, naming it
         for name in release.cpu_loop_shims:  # each checked once the ones before it ran
             cpu_loop_shims.LOOP_SHIMS[name]()
             _check_owners(name, cpu_loop_shims.owners(name), release.version)
-        _state.update(loop=True, shims=(*_state["shims"], *release.cpu_loop_shims))
+        loop_shims = release.cpu_loop_shims
+        if bridge is not None:  # Megatron-Bridge's own, applied as its modules are imported
+            from te_paged.integrations.megatron import cpu_bridge_shims
+
+            cpu_bridge_shims.install(bridge.cpu_shims, bridge.version)
+            loop_shims = (*loop_shims, *bridge.cpu_shims)
+        _state.update(loop=True, shims=(*_state["shims"], *loop_shims))
     if torch.cuda.is_available():  # no shim may change te_paged's own device choice
         raise RuntimeError("a CPU shim made torch.cuda.is_available() true")
 

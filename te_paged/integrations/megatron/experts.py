@@ -19,6 +19,7 @@ from te_paged.integrations.megatron.dist_ckpt import (
     drop_extra_state_keys,
     expert_sharded_state_dict,
 )
+from te_paged.integrations.megatron.linears import declare_parallel_layout, uses_expert_groups
 from te_paged.moe import TEGroupedMLP, find_participants
 from te_paged.stash import PagedStashManager
 
@@ -43,7 +44,10 @@ class MegatronTEGroupedMLP(TEGroupedMLP):
     :func:`megatron_moe_config`). Parameters are ``linear_fc1.weight{i}``/``linear_fc2.weight{i}``,
     the names of Megatron's ``TEGroupedMLP``; ``sharded_state_dict`` writes Megatron's
     distributed checkpoint layout, interchangeable with ``SequentialMLP``'s and across EP sizes.
-    Expert tensor parallelism is rejected.
+    ``linear_fc1`` is declared column-parallel, ``linear_fc2`` row-parallel
+    (:func:`~te_paged.integrations.megatron.linears.declare_parallel_layout`: what Megatron-
+    Bridge's ``AutoBridge`` reads to import and export Hugging Face weights). Expert tensor
+    parallelism is rejected.
     """
 
     def __init__(
@@ -72,6 +76,9 @@ class MegatronTEGroupedMLP(TEGroupedMLP):
             device=device if device is not None else param_device(config),
         )
         self.pg_collection = pg_collection
+        expert_groups = uses_expert_groups(config)  # DDP reduces over the expert groups
+        declare_parallel_layout(self.linear_fc1, "column", expert_groups=expert_groups)
+        declare_parallel_layout(self.linear_fc2, "row", expert_groups=expert_groups)
         drop_extra_state_keys(self)
 
     def sharded_state_dict(

@@ -1,5 +1,6 @@
 """te_paged's ``GroupedLinear`` as ``linear_fc1``/``linear_fc2`` of Megatron's own
-``TEGroupedMLP`` (no Transformer Engine needed). Importing this module does not import
+``TEGroupedMLP`` (no Transformer Engine needed), and :func:`declare_parallel_layout`, which
+every te_paged expert linear built for Megatron carries. Importing this module does not import
 Megatron; :func:`get_te_paged_linear_moe_spec` does."""
 
 from __future__ import annotations
@@ -16,7 +17,58 @@ from te_paged.integrations.megatron.dist_ckpt import (
     linear_sharded_state_dict,
 )
 
-__all__ = ["MegatronGroupedLinear", "get_te_paged_linear_moe_spec"]
+__all__ = [
+    "PARTITION_DIMS",
+    "MegatronGroupedLinear",
+    "declare_parallel_layout",
+    "get_te_paged_linear_moe_spec",
+    "uses_expert_groups",
+]
+
+#: The axis of each ``[out, in]`` weight that Megatron splits across tensor-parallel ranks.
+PARTITION_DIMS = {"column": 0, "row": 1}
+
+
+def uses_expert_groups(config: object) -> bool:
+    """Whether Megatron reduces expert gradients over its expert-data-parallel group (not the
+    data-parallel one): with expert parallelism, or expert tensor parallelism unlike the dense
+    layers' (megatron-core 0.19.2, ``extensions/transformer_engine.py:982``)."""
+    ep = getattr(config, "expert_model_parallel_size", 1) or 1
+    etp = getattr(config, "expert_tensor_parallel_size", None)
+    tp = getattr(config, "tensor_model_parallel_size", 1) or 1
+    return ep > 1 or (etp is not None and etp != tp)
+
+
+def declare_parallel_layout(
+    linear: GroupedLinear, parallel_mode: str, *, expert_groups: bool = False
+) -> None:
+    """Declare on ``linear`` what Megatron's ``TEColumnParallelGroupedLinear`` (``"column"``: an
+    expert MLP's fc1) and ``TERowParallelGroupedLinear`` (``"row"``: fc2) declare by their
+    class names: Transformer Engine's ``parallel_mode``, and the module attributes
+    ``tensor_model_parallel = True`` and ``partition_dim`` (0 column, 1 row) that tools read
+    from a linear whose class they do not know: Megatron-Bridge's ``AutoMapping`` (0.6.2,
+    ``models/conversion/param_mapping.py:1512``; without them, importing Hugging Face weights
+    fails with "Cannot determine parallelism type for module 'GroupedLinear'") and
+    megatron-core's FSDP adapter (0.19.2, ``distributed/fsdp/mcore_fsdp_adapter.py:291``).
+    Registering the class name with Bridge could not do this: fc1 and fc2 are one class. The
+    layout is the axis a split would follow; the linear itself stays whole (expert tensor
+    parallelism is refused), as Megatron's own linears are at tensor-parallel size 1.
+
+    Each parameter also gets Megatron's ``allreduce`` (``not expert_groups``: see
+    :func:`uses_expert_groups`), which Megatron's DDP and distributed optimizer read to put an
+    expert's gradient in the expert buffers, reduced over the ranks holding the same experts
+    (``param_and_grad_buffer.py:918``). Without it, with expert parallelism, DDP averaged each
+    local expert's gradient with other ranks' different experts'."""
+    if parallel_mode not in PARTITION_DIMS:
+        raise ValueError(
+            f"parallel_mode={parallel_mode!r} is not one of {sorted(PARTITION_DIMS)}: an expert "
+            "MLP's fc1 is 'column', its fc2 'row'"
+        )
+    linear.parallel_mode = parallel_mode
+    linear.tensor_model_parallel = True
+    linear.partition_dim = PARTITION_DIMS[parallel_mode]
+    for param in linear.parameters(recurse=False):
+        param.allreduce = not expert_groups
 
 
 def _no_init(weight: torch.Tensor) -> None:
@@ -34,7 +86,9 @@ class MegatronGroupedLinear(GroupedLinear):
     device (host→device, no sync) for the device-initiated path. With ``skip_bias_add`` the bias
     is returned as ``[E, out]`` (Megatron zips it per expert), else added and ``None`` returned.
     Parameters are ``weight{i}``/``bias{i}``, as in Transformer Engine. FP8 here would need
-    TE's autocast, so ``config.fp8`` is rejected: use te_paged's experts for FP8.
+    TE's autocast, so ``config.fp8`` is rejected: use te_paged's experts for FP8. Megatron
+    names the linear ``tp_comm_buffer_name="fc1"`` or ``"fc2"``: ``"fc2"`` is row-parallel, any
+    other column-parallel (:func:`declare_parallel_layout`).
     """
 
     def __init__(
@@ -82,6 +136,8 @@ class MegatronGroupedLinear(GroupedLinear):
         self.skip_bias_add = skip_bias_add
         self.tp_comm_buffer_name, self.name = tp_comm_buffer_name, name
         self.pg_collection = pg_collection
+        declare_parallel_layout(self, "row" if tp_comm_buffer_name == "fc2" else "column",
+                                expert_groups=uses_expert_groups(config))  # fmt: skip
         drop_extra_state_keys(self, ("",))
 
     def forward(  # type: ignore[override]
@@ -107,7 +163,7 @@ class MegatronGroupedLinear(GroupedLinear):
             prefix,
             "",
             prefix,
-            tp_axis=1 if self.tp_comm_buffer_name == "fc2" else 0,
+            tp_axis=self.partition_dim,
             swiglu=False,
             sharded_offsets=sharded_offsets,
             metadata=metadata,

@@ -74,15 +74,17 @@ import enum
 import functools
 import logging
 import math
+import sys
 import weakref
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from te_paged.config.checks import require_bool, require_int, require_real
+from te_paged.integrations.megatron.log_sources import find_bridge_state, log_settings
 from te_paged.integrations.megatron.runner import MegatronPagedStashRunner
 from te_paged.kernels.layout import Flag
 from te_paged.runtime import StepRecord, StepState
@@ -196,6 +198,8 @@ class MegatronLoopAdapter:
         #: Training steps rerun so far (evaluations are not counted).
         self.fallbacks = 0
         self._interval = {"fallbacks": 0, "steps": 0}
+        #: Megatron-Bridge's ``GlobalState`` of the run (weakly held), once found.
+        self._bridge_state: weakref.ref | None = None
         # Weakly held: the global hook must not keep the adapter (and its layers) alive.
         on_step = functools.partial(_optimizer_step, weakref.ref(self))
         hook = register_optimizer_step_post_hook(on_step)
@@ -256,11 +260,21 @@ class MegatronLoopAdapter:
             self._engine_now()
             self._take_boundary_state()
             self.phase = _Phase.READY
+            found = find_bridge_state()  # Megatron-Bridge's loop: its state logs the steps
+            if found is not None:
+                self._bridge_state = found
 
-    def on_forward(self, training: bool) -> None:
-        """A layer's forward (every microbatch; only the first of an attempt matters)."""
+    def on_forward(self, *, training: bool, grad: bool) -> bool:
+        """A layer's forward (every microbatch; only the first of an attempt matters): the
+        module's training mode and whether autograd records. True for an inference pass no
+        runner checks (autograd off and eval mode, outside a runner's step: an RL framework's
+        logprob pass between steps, say): the layer then runs it dropless and unstashed, and
+        the adapter leaves the step it is between as it was (no attempt, record or flag)."""
+        if not grad and not self._in_runner_step():
+            return not training  # no attempt; a train-mode pass keeps the static budget
+        training = training and grad
         if self.driven_by is not None or self.phase in (_Phase.UNREAD, _Phase.RUNNING):
-            return
+            return False
         if self.phase is _Phase.CHECKED:
             raise RuntimeError(
                 "te_paged's MoE layer ran again after Megatron's PagedStashRunner read its "
@@ -277,6 +291,25 @@ class MegatronLoopAdapter:
             self._state.modules = fresh.modules
             self._state.extra["aux_losses"] = fresh.extra["aux_losses"]
         self.phase = _Phase.RUNNING
+        return False
+
+    def _in_runner_step(self) -> bool:
+        """Whether a runner drives the forward now: te_paged's inside its step, or Megatron's
+        ``PagedStashRunner.__call__`` on the call stack (its evaluations run without autograd,
+        and it reads their flags)."""
+        if self.driven_by is not None:
+            return bool(getattr(self.driven_by, "in_step", True))
+        megatron = sys.modules.get("megatron.core.transformer.moe.paged_stash")
+        runner = getattr(megatron, "PagedStashRunner", None)
+        if runner is None:
+            return False
+        code = runner.__call__.__code__
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code is code:
+                return True
+            frame = frame.f_back
+        return False
 
     def check(self) -> torch.Tensor:
         """``check_over_budget()``: one device bool, any te_paged flag of this rank (no host
@@ -407,12 +440,15 @@ class MegatronLoopAdapter:
             )
 
     def _log_interval(self, engine: _Engine) -> None:
-        interval, iteration, writer = _megatron_log_settings(self.log_interval)
+        interval, iteration, writer = log_settings(self.log_interval, self._bridge_state)
         if interval is None or iteration is None or iteration % interval:
             return
         pool_bytes = sum(b.pool_bytes for m in engine.managers for b in m.buffers.values())
         fallbacks = self._interval["fallbacks"]
         self._interval = {"fallbacks": 0, "steps": 0}
+        if writer is not None:  # the loop's writer: on its last rank, Megatron-LM's and Bridge's
+            writer.add_scalar("te_paged/fallbacks", fallbacks, iteration)
+            writer.add_scalar("te_paged/pool_bytes", pool_bytes, iteration)
         if _rank() != 0:
             return
         logger.info(
@@ -424,9 +460,6 @@ class MegatronLoopAdapter:
             self.fallbacks,
             pool_bytes / 2**20,
         )
-        if writer is not None:
-            writer.add_scalar("te_paged/fallbacks", fallbacks, iteration)
-            writer.add_scalar("te_paged/pool_bytes", pool_bytes, iteration)
 
 
 def _optimizer_step(ref: weakref.ref, optimizer: object, args: object, kwargs: object) -> None:
@@ -465,19 +498,3 @@ def _stage_group() -> dist.ProcessGroup | None:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _megatron_log_settings(log_interval: int | None) -> tuple[int | None, int | None, Any]:
-    """(interval, the iteration Megatron is about to log, its TensorBoard writer), from
-    Megatron-LM's global arguments when ``pretrain()`` parsed them."""
-    try:
-        from megatron.training import global_vars
-
-        args = global_vars.get_args()
-    except (ImportError, AssertionError):  # not under pretrain(): no arguments parsed
-        return log_interval, None, None
-    interval = log_interval if log_interval is not None else getattr(args, "log_interval", None)
-    current = getattr(args, "curr_iteration", None)
-    iteration = None if current is None else current + 1  # train() counts it after the step
-    writer = global_vars.get_tensorboard_writer()
-    return interval, iteration, writer

@@ -129,8 +129,12 @@ class PagedStashMoELayer(MoELayer, PagedStashParticipant):
         # Before the router: the adapter snapshots the layers' state (the routers' buffers,
         # the aux-loss tracker) at the first MoE forward of a step, when Megatron's runner
         # drives it. Host-side bookkeeping only.
-        self.loop.on_forward(self.training and torch.is_grad_enabled())
-        return super().forward(*args, **kwargs)
+        if not self.loop.on_forward(training=self.training, grad=torch.is_grad_enabled()):
+            return super().forward(*args, **kwargs)
+        # An inference pass no runner checks (between steps): exact whatever the routing,
+        # nothing paged, and the step's counters left as they were.
+        with self.token_dispatcher.budget.outside_step():
+            return super().forward(*args, **kwargs)
 
     def attach_runner(self, runner: object) -> None:
         """The runner protocol: a te_paged runner drives this layer, not Megatron's."""

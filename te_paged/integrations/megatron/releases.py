@@ -46,10 +46,13 @@ import sys
 from pathlib import Path
 
 __all__ = [
+    "BRIDGE_RELEASES",
     "RELEASES",
     "SUPPORTED",
+    "BridgeRelease",
     "MegatronRelease",
     "install_line",
+    "installed_bridge_release",
     "installed_release",
     "installed_version",
 ]
@@ -190,5 +193,71 @@ def installed_release() -> MegatronRelease:
         raise RuntimeError(
             f"megatron-core {version} is installed; te_paged supports megatron-core "
             f"{' and '.join(SUPPORTED)}: install one with `{install_line()}`"
+        )
+    return release
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BridgeRelease:
+    """One supported Megatron-Bridge release (``megatron-bridge``: NeMo's training stack, the
+    Megatron backend of NeMo-RL, VeRL, Slime, SkyRL) and what te_paged does for it."""
+
+    version: str
+    #: The megatron-core release it runs on (its ``pretrain()`` and ``finetune()`` call
+    #: megatron-core's and ``megatron.training``'s code: their shims apply too).
+    megatron_core: str
+    #: The CPU shims ``cpu_shims.install(training_loop=True)`` adds for Bridge's own code, by
+    #: name (:mod:`~te_paged.integrations.megatron.cpu_bridge_shims`).
+    cpu_shims: tuple[str, ...]
+
+
+BRIDGE_RELEASES: dict[str, BridgeRelease] = {
+    r.version: r
+    for r in (
+        BridgeRelease(
+            version="0.6.2",
+            megatron_core="0.19.2",
+            cpu_shims=(
+                "bridge_import_stand_ins",
+                "bridge_initialize_without_cuda",
+                "bridge_rng_seeding",
+                "bridge_flex_backend_check",
+                "bridge_dataloader_generator",
+            ),
+        ),
+    )
+}
+
+
+def installed_bridge_release() -> BridgeRelease | None:
+    """The :class:`BridgeRelease` of the installed Megatron-Bridge, ``None`` where Bridge is not
+    installed (without importing it: its ``package_info`` file is run on its own);
+    ``RuntimeError`` naming the supported releases when it is another one, or when it does not
+    run on the installed megatron-core."""
+    spec = importlib.util.find_spec("megatron.bridge")  # imports `megatron`, a namespace package
+    if spec is None:
+        return None
+    info = None
+    for folder in spec.submodule_search_locations or ():
+        path = Path(folder) / "package_info.py"
+        if path.is_file():
+            file_spec = importlib.util.spec_from_file_location("_bridge_package_info", path)
+            info = importlib.util.module_from_spec(file_spec)
+            file_spec.loader.exec_module(info)
+            break
+    # __shortversion__: __version__ appends the git hash of the folder it is installed in.
+    version = getattr(info, "__shortversion__", "unknown")
+    release = BRIDGE_RELEASES.get(version)
+    if release is None:
+        raise RuntimeError(
+            f"megatron-bridge {version} is installed; te_paged supports megatron-bridge "
+            f"{' and '.join(BRIDGE_RELEASES)}: install it with `pip install --no-deps "
+            f"megatron-bridge=={next(reversed(BRIDGE_RELEASES))}` (docs/megatron-bridge.md)"
+        )
+    core = installed_version()
+    if core != release.megatron_core:
+        raise RuntimeError(
+            f"megatron-bridge {version} runs on megatron-core {release.megatron_core}; "
+            f"{core} is installed: install it with `{install_line(release.megatron_core)}`"
         )
     return release

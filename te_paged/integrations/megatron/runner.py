@@ -226,6 +226,9 @@ class MegatronPagedStashRunner(PagedStashRunner):
         self._configs = list({id(c): c for c in configs if c is not None}.values())
         self.forward_backward_func = forward_backward_func
         self._forward_only = False
+        #: True while a call runs: a forward outside one, without autograd and in eval mode,
+        #: is an inference pass between steps (the layers run it dropless, no flag).
+        self.in_step = False
         from megatron.core import parallel_state
 
         if parallel_state.model_parallel_is_initialized():
@@ -256,7 +259,11 @@ class MegatronPagedStashRunner(PagedStashRunner):
             with self._builtin_stash_hooks_off():
                 return func(**{**kwargs, "data_iterator": _replay(data, is_list)})
 
-        return self.step(step_fn, step=iteration, forward_only=self._forward_only)
+        self.in_step = True
+        try:
+            return self.step(step_fn, step=iteration, forward_only=self._forward_only)
+        finally:
+            self.in_step = False
 
     def _check_call(self, iteration: object, kwargs: dict[str, Any]) -> None:
         """The call's own mistakes, named as the caller wrote them, before anything runs."""

@@ -13,7 +13,15 @@ one flag and no code::
 (0.19.2's ``TransformerConfig`` asks for a flex backend beside a rank capacity factor; te_paged's
 layer never builds that dispatcher.) A script of one's own (or a ``HybridModel``, whose
 ``hybrid_stack_spec`` is a spec, not a function) uses :func:`with_te_paged_moe` on the spec it
-already builds. Importing this module does not import Megatron.
+already builds.
+
+Megatron-Bridge's ``GPTModelProvider`` is its own ``TransformerConfig`` and holds its
+``transformer_layer_spec`` as a spec or as a function of the provider (``vp_stage`` optional;
+DeepSeek-V3's is ``partial(get_gpt_decoder_block_spec, use_transformer_engine=...)``). Both
+helpers take it as it is: ``provider.transformer_layer_spec = with_te_paged_moe(
+provider.transformer_layer_spec, provider, loop=adapter)`` keeps a function a function, or
+``provider.transformer_layer_spec = gpt_layer_spec``. Importing this module does not import
+Megatron.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import inspect
 from typing import Any
 
 from te_paged.integrations.megatron.experts import get_te_paged_moe_spec
@@ -40,7 +49,61 @@ def with_te_paged_moe(
     (shared experts, router). All of them share one stash manager and, with a static budget
     (``moe_expert_rank_capacity_factor``), one :class:`MegatronLoopAdapter` (``loop``,
     default: a new one). ``ValueError`` when ``spec`` has no MoE layer, or when ``loop`` is
-    given for a config without a static budget."""
+    given for a config without a static budget.
+
+    ``config`` is a ``TransformerConfig`` (Megatron-Bridge's ``GPTModelProvider`` is one) or a
+    model config that holds one as ``.transformer`` (Megatron-LM's and Bridge's
+    ``GPTModelConfig``). ``spec`` may also be a function that builds a spec from such a config
+    (``vp_stage`` optional), as a Bridge provider or a ``GPTModelConfig`` holds it: then the
+    result is a function too, taking ``vp_stage`` where ``spec`` does, that builds the spec
+    from the config it is given and replaces its MoE layers; its calls (one per virtual
+    pipeline stage) share one stash manager and one adapter."""
+    if _is_spec_builder(spec):
+        return _te_paged_builder(spec, loop=loop, **kwargs)
+    return _replace_moe(spec, _transformer_config(config), loop=loop, **kwargs)[0]
+
+
+def _transformer_config(config: object) -> object:
+    """The ``TransformerConfig`` of ``config``: itself, or its ``.transformer`` (a
+    ``GPTModelConfig``)."""
+    return getattr(config, "transformer", config)
+
+
+def _is_spec_builder(spec: Any) -> bool:
+    """A function of a config that returns a spec, not a spec: a plain function, or a
+    ``functools.partial`` of one (a partial of a module class is a spec)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if isinstance(spec, (ModuleSpec, type)) or dataclasses.is_dataclass(spec):
+        return False
+    if isinstance(spec, functools.partial):
+        return not isinstance(spec.func, type)
+    return callable(spec)
+
+
+def _te_paged_builder(builder: Any, **options: Any) -> Any:
+    takes_vp_stage = "vp_stage" in inspect.signature(builder).parameters
+    shared: dict[str, Any] = {}  # the first call's manager and adapter, for the later calls
+
+    def build(config: object, vp_stage: int | None = None) -> Any:
+        spec = builder(config, vp_stage=vp_stage) if takes_vp_stage else builder(config)
+        out, replaced = _replace_moe(spec, _transformer_config(config), **{**options, **shared})
+        if not shared:
+            shared["manager"] = replaced[0].submodules.experts.params["manager"]
+            if replaced[0].params.get("loop") is not None:
+                shared["loop"] = replaced[0].params["loop"]
+        return out
+
+    def build_without_vp_stage(config: object) -> Any:
+        return build(config)
+
+    return build if takes_vp_stage else build_without_vp_stage
+
+
+def _replace_moe(
+    spec: Any, config: object, *, loop: MegatronLoopAdapter | None = None, **kwargs: object
+) -> tuple[Any, list[Any]]:
+    """``spec`` with its MoE layers replaced, and te_paged's MoE specs that replaced them."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -88,7 +151,7 @@ def with_te_paged_moe(
             "with_te_paged_moe: the spec has no MoE layer (Megatron's MoELayer) to replace: give "
             "the spec of a model with num_moe_experts set"
         )
-    return out
+    return out, replaced
 
 
 def gpt_layer_spec(
@@ -106,11 +169,30 @@ def gpt_layer_spec(
     the adapter's default options. ``--spec`` passes no options: to set them, a script puts
     ``functools.partial(gpt_layer_spec, loop=MegatronLoopAdapter(...))`` in
     ``model_config.transformer_layer_spec`` (one adapter for every chunk); ``kwargs`` go to
-    :func:`with_te_paged_moe` (``manager``, te_paged overrides)."""
+    :func:`with_te_paged_moe` (``manager``, te_paged overrides).
+
+    ``model_config`` may also be a Megatron-Bridge ``GPTModelProvider`` (its own
+    ``TransformerConfig``): ``provider.transformer_layer_spec = gpt_layer_spec``; the base spec
+    is then the one Megatron-LM would build for the same fields (``transformer_impl="local"``
+    for Megatron's own layers, as a CPU needs)."""
     from megatron.training.models.gpt import default_layer_spec
 
+    if not hasattr(model_config, "transformer"):  # a Bridge provider: its own transformer
+        model_config = _ProviderAsModelConfig(model_config)
     spec = default_layer_spec(model_config, vp_stage)
     return with_te_paged_moe(spec, model_config.transformer, loop=loop, **kwargs)
+
+
+class _ProviderAsModelConfig:
+    """A Megatron-Bridge provider seen as the ``GPTModelConfig`` Megatron-LM's
+    ``default_layer_spec`` reads: ``.transformer`` is the provider, every other field (it has
+    ``restore_modelopt_state``, ``use_transformer_engine_op_fuser``, ...) its own."""
+
+    def __init__(self, provider: object) -> None:
+        self.transformer = provider
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.transformer, name)
 
 
 def local_hybrid_stack_spec(num_experts: int = 8) -> Any:

@@ -32,7 +32,8 @@ def test_bad_options_are_refused_naming_them(kwargs, message) -> None:
 
 def test_before_megatrons_runner_is_built_the_adapter_stays_out_of_the_way() -> None:
     adapter = MegatronLoopAdapter()
-    adapter.on_forward(True)  # a forward of the user's own, no runner yet: nothing happens
+    # A forward of the user's own, no runner yet: nothing happens.
+    adapter.on_forward(training=True, grad=True)
     assert adapter.phase is _Phase.UNREAD
     adapter.on_optimizer_step()  # nothing was checked, nothing expected to be
     with pytest.raises(RuntimeError, match="asks for a rerun, but te_paged's adapter is UNREAD"):
@@ -96,3 +97,26 @@ def test_an_odd_factor_written_by_megatrons_runner_is_refused(value) -> None:
     adapter.phase = _Phase.RERUN
     with pytest.raises(ValueError, match="positive finite factor"):
         adapter.set_capacity_factor(value)
+
+
+@pytest.mark.parametrize("training, free", [(False, True), (True, False)])
+def test_an_inference_pass_outside_a_runner_starts_no_attempt(training, free) -> None:
+    """An RL framework's logprob pass between steps (eval mode, no autograd, no runner on the
+    stack): the layer runs it dropless and unstashed (``True``), and the adapter's step is left
+    as it was; a no-grad pass in training mode keeps the static budget but starts nothing."""
+    adapter = MegatronLoopAdapter()
+    adapter.phase = _Phase.READY  # between two steps Megatron's runner kept
+    assert adapter.on_forward(training=training, grad=False) is free
+    assert adapter.phase is _Phase.READY
+
+
+def test_inside_a_te_paged_runners_step_a_pass_is_the_runners() -> None:
+    class Runner:
+        in_step = False
+
+    adapter = MegatronLoopAdapter()
+    runner = Runner()
+    adapter.note_runner(runner)
+    assert adapter.on_forward(training=False, grad=False)  # between the runner's steps
+    runner.in_step = True  # an evaluation step of the runner: it reads the flags
+    assert not adapter.on_forward(training=False, grad=False)

@@ -114,3 +114,79 @@ def test_gpt_layer_spec_takes_an_adapter_through_a_partial(monkeypatch) -> None:
     assert [moe.params["loop"] for (moe,) in chunks] == [loop, loop]  # one adapter, every chunk
     (default,) = _moe_specs(tpm.gpt_layer_spec(model_config))  # --spec: its own, defaults
     assert default.params["loop"] is not loop and default.params["loop"]._options["grow_pool"]
+
+
+def _default_layer_spec_stand_in(monkeypatch, seen: list) -> None:
+    """Megatron-LM's ``default_layer_spec`` (needs Python 3.12's typing.override without the
+    CPU shims), answering Megatron's local MoE layer spec and noting what it was given."""
+    import sys
+    import types
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    def default_layer_spec(model_config, vp_stage):
+        seen.append((model_config.transformer, model_config.restore_modelopt_state, vp_stage))
+        return get_gpt_layer_local_spec(num_experts=8, moe_grouped_gemm=False)
+
+    gpt = types.ModuleType("megatron.training.models.gpt")
+    gpt.default_layer_spec = default_layer_spec
+    monkeypatch.setitem(sys.modules, "megatron.training.models.gpt", gpt)
+
+
+def _provider(**fields):
+    """A stand-in for Megatron-Bridge's ``GPTModelProvider``: its own TransformerConfig (no
+    ``.transformer``), with the model fields Megatron-LM's spec function reads."""
+    cfg = megatron_config(num_moe_experts=8, **STASH)
+    cfg.restore_modelopt_state = False
+    cfg.__dict__.update(fields)
+    return cfg
+
+
+def test_gpt_layer_spec_takes_a_bridge_provider(monkeypatch) -> None:
+    """Bridge calls ``provider.transformer_layer_spec(provider, vp_stage=...)``: the provider
+    is its own TransformerConfig (before: ``AttributeError: ... 'transformer'``)."""
+    seen: list = []
+    _default_layer_spec_stand_in(monkeypatch, seen)
+    provider = _provider()
+    loop = tpm.MegatronLoopAdapter()
+    (moe,) = _moe_specs(functools.partial(tpm.gpt_layer_spec, loop=loop)(provider, vp_stage=1))
+    assert seen == [(provider, False, 1)]  # the spec Megatron-LM builds for the same fields
+    assert moe.params["loop"] is loop and moe.submodules.experts.module is tpm.MegatronTEGroupedMLP
+
+
+def test_a_spec_function_gives_back_a_spec_function_of_the_same_signature() -> None:
+    """Bridge's provider holds its spec as a function of the provider, with or without
+    ``vp_stage`` (it reads the signature): the result is such a function too, and all the
+    chunks it builds share one manager and one adapter."""
+    import inspect
+
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+    )
+
+    from .test_megatron_releases import BUILTIN_STASH, _config
+
+    # A real TransformerConfig (Megatron's block spec reads many of its fields), as Bridge's
+    # provider is one, with the fields Bridge's perf recipes set.
+    provider = _config(**{**BUILTIN_STASH, "moe_paged_stash_buffer_size_factor_cuda": 1.3})
+
+    def local(config):  # Bridge's local_layer_spec: no vp_stage
+        return get_gpt_layer_local_spec(num_experts=8, moe_grouped_gemm=False)
+
+    loop = tpm.MegatronLoopAdapter()
+    wrapped = tpm.with_te_paged_moe(local, provider, loop=loop)
+    assert callable(wrapped) and "vp_stage" not in inspect.signature(wrapped).parameters
+    (moe,) = _moe_specs(wrapped(provider))
+    assert moe.params["loop"] is loop
+    # DeepSeek-V3's: partial(get_gpt_decoder_block_spec, ...), called with vp_stage.
+    block = functools.partial(get_gpt_decoder_block_spec, use_transformer_engine=False, pp_rank=0)
+    wrapped = tpm.with_te_paged_moe(block, None)
+    assert "vp_stage" in inspect.signature(wrapped).parameters
+    chunks = [_moe_specs(wrapped(provider, vp_stage=None)) for _ in range(2)]  # two chunks
+    managers = {id(m.submodules.experts.params["manager"]) for chunk in chunks for m in chunk}
+    loops = {id(m.params["loop"]) for chunk in chunks for m in chunk}
+    assert [len(c) for c in chunks] == [2, 2] and len(managers) == 1 and len(loops) == 1
+    # A spec stays a spec (a partial of a module class is one, not a function of a config).
+    spec = get_gpt_layer_local_spec(num_experts=8, moe_grouped_gemm=False)
+    assert isinstance(tpm.with_te_paged_moe(spec, provider), type(spec))
