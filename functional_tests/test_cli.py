@@ -701,9 +701,14 @@ def test_ab_engine_megatron_pipeline_prints_each_stage(launches) -> None:
         (["--dropout", "0.1"], "--dropout: only with --engine megatron"),
         (
             ["--ep", "2", "--overlap-grad-reduce"],
-            "--ep: only with --engine megatron, torchtitan or jax; "
-            "--overlap-grad-reduce: only with --engine megatron",
+            "--ep: only with --engine megatron, bridge, torchtitan or jax; "
+            "--overlap-grad-reduce: only with --engine megatron or bridge",
         ),
+        (["--engine", "bridge", "--runner", "megatron"], "--runner: not with --engine bridge"),
+        (["--engine", "bridge", "--skew", "2"], "--skew: not with --engine bridge"),
+        (["--engine", "bridge", "--tokens", "64"], "--tokens: not with --engine bridge"),
+        # Bridge lives in a folder of its own (scripts/bridge.sh), not on this process's path.
+        (["--engine", "bridge"], "--engine bridge needs megatron-bridge 0.6.2"),
         (["--engine", "megatron", "--compile"], "--compile: not with --engine megatron"),
         (["--engine", "jax", "--compile", "aot_eager"], "--compile (te_paged.jax is compiled"),
         (["--compile", "--recompute"], "--recompute with --compile needs --op-fuser"),

@@ -9,7 +9,8 @@
 # replaces the pinned CPU torch, and without Transformer Engine or CUDA. Its own folder, not
 # site-packages: Bridge brings transformers and nvidia-modelopt, which megatron-core's
 # `megatron.training` imports wherever they are installed (5 s of CPU a process), so only the
-# processes that run Bridge put the folder on their path (BRIDGE_PATH; the tests and ab.sh do).
+# processes that run Bridge put the folder on their path: ab.sh exports it on PYTHONPATH for
+# `--engine bridge`, the tests find it through TE_PAGED_TEST_BRIDGE_ROOT.
 # nvidia-resiliency-ext is left out: on Python 3.11 and glibc < 2.39 pip resolves 0.4.1, whose
 # import breaks megatron-core 0.19.2's; te_paged's CPU shims stand in for the one name Bridge
 # imports of it.

@@ -3,6 +3,7 @@
     te-paged ab     [--nproc 4] [model and run flags] [--json P] [--plot P] [--record-profile P]
     te-paged ab     --engine megatron [--ep 2] [--dropout 0.1] [--overlap-grad-reduce]
                     [--pipeline-parallel 2 [--virtual-stages 2]] [--microbatches 4] ...
+    te-paged ab     --engine bridge [--ep 2] [--dropout 0.1] ...  (Megatron-Bridge's pretrain())
     te-paged ab     --engine jax [--ep 4] [model and run flags]   (one process, CPU)
     te-paged ab     --engine torchtitan [--ep 2] [--activation-checkpoint selective] ...
     te-paged plan   --profile PATH [--target-rerun-rate R] [--capacity-headroom H]
@@ -260,15 +261,15 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     e.add_argument(
         "--ep",
         type=integer(1),
-        help="expert-parallel size (megatron: default every rank; torchtitan: default every "
-        "rank, the rest data parallel; jax: the ring's size and the capacity factor, default "
-        "4; not with the default engine)",
+        help="expert-parallel size (megatron, bridge: default every rank of a stage; "
+        "torchtitan: default every rank, the rest data parallel; jax: the ring's size and the "
+        "capacity factor, default 4; not with the default engine)",
     )
     e.add_argument(
         "--seq-length",
         type=token_schedule,
         metavar="N[,N...]",
-        help=f"sequence length ({m.seq_length}; megatron and torchtitan only); a "
+        help=f"sequence length ({m.seq_length}; megatron, bridge and torchtitan only); a "
         "variable-length schedule on the megatron engine (megatron-core's "
         "variable_seq_lengths): steps separated by commas, a step's microbatches by + (one "
         "length: every microbatch of the step), e.g. 32,64+32",
@@ -276,7 +277,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     e.add_argument(
         "--micro-batch-size",
         type=integer(1),
-        help=f"sequences per microbatch ({m.micro_batch_size}; megatron and torchtitan only)",
+        help=f"sequences per microbatch ({m.micro_batch_size}; megatron, bridge and torchtitan "
+        "only)",
     )
     e.add_argument(
         "--compile",

@@ -39,7 +39,10 @@ share (settings, outcomes, timing, bitwise comparison), ``stack`` and ``deepseek
     prequantized MXFP8);
 13. ``te-paged ab``'s default model with every MoE block compiled (Inductor, and
     ``reduce-overhead``: CUDA graphs): ON vs OFF bitwise, te_paged's stash kernels in the
-    compiled step's profile, step time ON/OFF compiled beside eager.
+    compiled step's profile, step time ON/OFF compiled beside eager;
+14. Megatron-Bridge's ``pretrain()`` with Transformer Engine's layers and te_paged's MoE layers,
+    eager and under the full-iteration CUDA graphs Bridge's perf recipes use: ON vs OFF bitwise
+    (N/A without CUDA, megatron-bridge or Transformer Engine).
 
 Each check runs in its own process (a CUDA error cannot poison the next one; ``--in-process``
 for debugging), as do the cases of checks 4 and 5 on CUDA; each reports PASS (its target met),
@@ -49,6 +52,6 @@ feature it measures is not there yet). Every check runs whatever the others did;
 run cut short still leaves its figures. ``--cpu-dry-run`` runs everything that can at toy sizes
 on the CPU (torch backend; the Triton kernels interpreted) to test the checks without a GPU;
 N/A there: checks 3, 4 and 5 (CUDA only), 7's target (stream overlap needs CUDA; its figures
-are measured), 11 (without ``deep_ep``). ``--cpu-dry-run --smoke`` runs each check's smallest
-case: tests/benchmarks/test_gpu_check.py runs every check so, in one process.
+are measured), 11 (without ``deep_ep``), 14 (CUDA only). ``--cpu-dry-run --smoke`` runs each
+check's smallest case: tests/benchmarks/test_gpu_check.py runs every check so, in one process.
 """

@@ -39,6 +39,7 @@ CHECKS = tuple(
         "check_11_hybrid_ep",
         "check_12_te_ports",
         "check_13_compiled",
+        "check_14_bridge",
     )
 )
 

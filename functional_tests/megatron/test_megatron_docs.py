@@ -26,11 +26,13 @@ PRETRAIN_COMMAND = "<!-- example: megatron-pretrain-command -->"
 ITERATIONS = 4
 
 
-def extract_example(marker: str = MARKER, language: str = "python") -> str:
-    text = (REPO_ROOT / "docs" / "megatron.md").read_text()
+def extract_example(
+    marker: str = MARKER, language: str = "python", doc: str = "megatron.md"
+) -> str:
+    text = (REPO_ROOT / "docs" / doc).read_text()
     pattern = re.escape(marker) + rf"\n```{language}\n(.*?)\n```"
     match = re.search(pattern, text, re.DOTALL)
-    assert match, f"docs/megatron.md has no {language} block after {marker}"
+    assert match, f"docs/{doc} has no {language} block after {marker}"
     return match.group(1) + "\n"
 
 

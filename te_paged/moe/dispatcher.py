@@ -65,6 +65,7 @@ from te_paged.config import MoEConfig
 from te_paged.config.budget import rank_rows, round_up, split_rows
 from te_paged.config.checks import require_real
 from te_paged.kernels.compiled import HostCall, host_call
+from te_paged.moe.all_to_all import AllToAll, all_to_all
 from te_paged.moe.config_adapter import as_moe_config
 
 __all__ = ["DispatchHandle", "StaticBudgetDispatcher", "static_budget"]
@@ -147,8 +148,7 @@ def _static_sizes(
 
 
 def _traffic_counter(dispatcher: StaticBudgetDispatcher):
-    """``dispatcher._add_traffic``, holding the dispatcher weakly (the op argument outlives no
-    module)."""
+    """``dispatcher._add_traffic``, holding the dispatcher weakly (an op argument)."""
     ref = weakref.ref(dispatcher)
 
     def add(routed: torch.Tensor | None, sent: int, row_bytes: int) -> None:
@@ -169,41 +169,10 @@ def _token_noter(dispatcher: StaticBudgetDispatcher):
     return note
 
 
-def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    out = torch.empty_like(x)
-    dist.all_to_all_single(out, x.contiguous(), group=group)
-    return out
-
-
-class _AllToAll(torch.autograd.Function):
-    """Equal-split ``all_to_all_single`` along dim 0: block ``s`` of the output on rank ``r`` is
-    block ``r`` of the input on rank ``s``. ``[S, ...] → [S, ...]``.
-
-    Backward is the same exchange applied to the gradient (it is its own inverse pattern), and
-    is counted on ``traffic`` like the forward. Saves nothing for backward but a 0-dim count.
-    gloo has no autograd for collectives, hence this.
-    """
-
-    @staticmethod
-    def forward(
-        ctx, x_S: torch.Tensor, group: dist.ProcessGroup, traffic: StaticBudgetDispatcher,
-        routed: torch.Tensor,
-    ) -> torch.Tensor:  # fmt: skip
-        ctx.group, ctx.traffic, ctx.routed = group, traffic, routed
-        traffic._count(x_S, routed)
-        return _all_to_all(x_S, group)
-
-    @staticmethod
-    def backward(ctx, grad_S: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        ctx.traffic._count(grad_S, ctx.routed)
-        return _all_to_all(grad_S, ctx.group), None, None, None
-
-
 def _resize_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     """The first ``rows`` rows of ``t``, zero rows appended when it has fewer."""
-    if t.shape[0] >= rows:
-        return t[:rows]
-    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+    pad = t.new_zeros(max(0, rows - t.shape[0]), *t.shape[1:])
+    return t[:rows] if t.shape[0] >= rows else torch.cat([t, pad])
 
 
 @dataclasses.dataclass
@@ -387,14 +356,14 @@ class StaticBudgetDispatcher(nn.Module):
 
     @contextlib.contextmanager
     def outside_step(self) -> Iterator[None]:
-        """A forward no runner checks (inference between training steps, autograd off):
-        dropless, so exact whatever the routing, with the step's counters, bytes and
-        microbatch sizes as they were before it (device copies back, no read)."""
-        counters = [(t, t.clone()) for _, t in self.named_buffers(recurse=False)]
+        """A forward no runner checks (inference between steps, autograd off): dropless, so
+        exact whatever the routing; the step's counters, bytes and microbatch sizes after it
+        as before (device copies back, no read)."""
+        saved = [(t, t.clone()) for t in self.buffers(recurse=False)]
         host = self.bytes_sent, list(self.step_num_tokens)
         with self.dropless_block():
             yield
-        for t, before in counters:
+        for t, before in saved:
             t.copy_(before)
         self.bytes_sent, self.step_num_tokens[:] = host
 
@@ -505,8 +474,8 @@ class StaticBudgetDispatcher(nn.Module):
             return t
         if routed is None:
             self._count(t, None)
-            return _all_to_all(t, self.group)
-        return _AllToAll.apply(t, self.group, self, routed)
+            return all_to_all(t, self.group)
+        return AllToAll.apply(t, self.group, self, routed)
 
     def _dropless_capacity(self, demand_P: torch.Tensor) -> int:
         """Largest pair count over the group: the one host read of the dropless mode."""

@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import datetime
 import importlib.util
+import logging
 import os
 import sys
 
@@ -31,8 +32,15 @@ _MEGATRON_ONLY = (
     "ep", "dropout", "overlap_grad_reduce", "seq_length", "micro_batch_size", "microbatches",
     "pipeline_parallel", "virtual_stages", "model", "runner",
 )  # fmt: skip
-_TAKEN_BY = {"--ep": "megatron, torchtitan or jax", "--seq-length": "megatron or torchtitan",
-             "--micro-batch-size": "megatron or torchtitan"}  # fmt: skip
+_TAKEN_BY = {"--ep": "megatron, bridge, torchtitan or jax",
+             "--seq-length": "megatron, bridge or torchtitan",
+             "--micro-batch-size": "megatron, bridge or torchtitan",
+             "--dropout": "megatron or bridge", "--microbatches": "megatron or bridge",
+             "--overlap-grad-reduce": "megatron or bridge",
+             "--pipeline-parallel": "megatron or bridge",
+             "--virtual-stages": "megatron or bridge"}  # fmt: skip
+#: The megatron engine's flags the bridge engine does not take (Bridge's loop fixes them).
+_NOT_BRIDGE = ("model", "runner", "max_tokens_per_rank", "skew")
 #: The capture step, then one step that runs with the pool: the least a saving is measured on.
 MIN_STEPS = 2
 
@@ -42,7 +50,7 @@ def model_config(args: argparse.Namespace):
     from te_paged.tools.ab_engines import AB_ENGINES
 
     engine = getattr(args, "engine", "default")
-    megatron = engine == "megatron"
+    megatron = engine in ("megatron", "bridge")
     cls = AB_ENGINES[engine].config()
     fields = {f.name for f in dataclasses.fields(cls) if f.init}
     kw = {k: v for k, v in vars(args).items() if k in fields and v is not None}
@@ -84,6 +92,23 @@ def _megatron_missing(cfg) -> str | None:
         return (
             f"--runner megatron needs megatron-core 0.19.2 (Megatron's PagedStashRunner); "
             f"{release.version} is installed"
+        )
+    return None
+
+
+def _bridge_missing() -> str | None:
+    from te_paged.integrations.megatron.releases import BRIDGE_RELEASES, installed_bridge_release
+
+    try:
+        release = installed_bridge_release()
+    except RuntimeError as e:
+        return str(e)
+    if release is None:
+        version = next(reversed(BRIDGE_RELEASES))
+        return (
+            f"--engine bridge needs megatron-bridge {version} (on megatron-core "
+            f"{BRIDGE_RELEASES[version].megatron_core}): docs/megatron-bridge.md says how to "
+            "install it"
         )
     return None
 
@@ -256,14 +281,21 @@ def check_ab_args(args: argparse.Namespace) -> str | None:
         return _check_jax_args(args)
     if args.engine == "torchtitan":
         return _check_torchtitan_args(args)
-    megatron = args.engine == "megatron"
+    megatron = args.engine in ("megatron", "bridge")
+    if args.engine == "bridge":
+        wrong = given(args, _NOT_BRIDGE)
+        if wrong:
+            return (
+                f"{', '.join(wrong)}: not with --engine bridge (Bridge's pretrain() trains its "
+                "GPTModel under Megatron's own PagedStashRunner; see --engine megatron)"
+            )
     args.device = _resolve_device(args.device, *_world(args))
     if args.activation_checkpoint is not None:
         return "--activation-checkpoint: only with --engine torchtitan"
     if megatron and args.compile is not None:
         return (
-            "--compile: not with --engine megatron, which runs its MoE eagerly (Megatron hides "
-            "the launches with CUDA graphs instead)"
+            f"--compile: not with --engine {args.engine}, which runs its MoE eagerly (Megatron "
+            "hides the launches with CUDA graphs instead)"
         )
     problem = _check_compile(args)
     if problem:
@@ -277,8 +309,8 @@ def check_ab_args(args: argparse.Namespace) -> str | None:
             return "; ".join(f"{', '.join(f)}: only with --engine {e}" for e, f in takers.items())
     elif args.tokens is not None:
         return (
-            "--tokens: not with --engine megatron, whose tokens per rank are --seq-length x "
-            "--micro-batch-size"
+            f"--tokens: not with --engine {args.engine}, whose tokens per rank are --seq-length "
+            "x --micro-batch-size"
         )
     elif args.max_tokens_per_rank is not None and args.runner == "megatron":
         return (
@@ -287,13 +319,13 @@ def check_ab_args(args: argparse.Namespace) -> str | None:
         )
     elif args.fp8:
         return (
-            "--fp8 is not available with --engine megatron (FP8 in Megatron needs Transformer "
-            "Engine); use the default engine for FP8 storage"
+            f"--fp8 is not available with --engine {args.engine} (FP8 in Megatron needs "
+            "Transformer Engine); use the default engine for FP8 storage"
         )
     elif args.record_profile:
-        return "--record-profile is not available with --engine megatron"
+        return f"--record-profile is not available with --engine {args.engine}"
     elif args.activation not in (None, "swiglu"):
-        return "--activation: the megatron engine's model uses swiglu"
+        return f"--activation: the {args.engine} engine's model uses swiglu"
     world, _ = _world(args)
     try:
         cfg = model_config(args)
@@ -345,7 +377,7 @@ def check_ab_args(args: argparse.Namespace) -> str | None:
     if problem:
         return problem
     if megatron:
-        return _megatron_missing(cfg)
+        return _megatron_missing(cfg) or (_bridge_missing() if args.engine == "bridge" else None)
     return None
 
 
@@ -391,14 +423,18 @@ def _rank(
 
     from te_paged.tools.ab import gather, run_ab
 
-    if args.engine == "megatron":
+    if args.engine in ("megatron", "bridge"):
         from te_paged.tools.megatron_ab import quiet_megatron
 
         quiet_megatron()
         if args.device == "cpu":
             from te_paged.integrations.megatron import cpu_shims
 
-            cpu_shims.install()  # CPU only: stand-ins for megatron-core's CUDA-only calls
+            # CPU only: stand-ins for megatron-core's CUDA-only calls (and, for Bridge, its
+            # training loop's, before Bridge is imported)
+            cpu_shims.install(training_loop=args.engine == "bridge")
+        if args.engine == "bridge":  # Bridge's loop logs its set-up at INFO: the table is ab's
+            os.environ.setdefault("MEGATRON_LOGGING_LEVEL", str(logging.WARNING))
     if args.engine == "torchtitan":
         from te_paged.tools.torchtitan_ab import quiet_torchtitan
 
@@ -429,6 +465,10 @@ def _rank(
             from te_paged.tools.megatron_ab import run_megatron_ab
 
             mine = run_megatron_ab(cfg, device, progress)
+        elif args.engine == "bridge":
+            from te_paged.tools.bridge_ab import run_bridge_ab
+
+            mine = run_bridge_ab(cfg, device, progress)
         elif args.engine == "torchtitan":
             from te_paged.tools.torchtitan_ab import run_torchtitan_ab
 
@@ -480,10 +520,11 @@ def _run_jax(args: argparse.Namespace):
 def preload_modules(args: argparse.Namespace) -> tuple[str, ...]:
     """What the forkserver the ranks are forked from imports once for every rank: torch (its
     import makes no CUDA call) and this module; on the CPU also the engine's framework
-    (``te_paged.tools.preload_megatron``, ``preload_torchtitan``), whose import can touch CUDA
+    (``te_paged.tools.preload_megatron``, ``preload_bridge``, ``preload_torchtitan``), whose
+    import can touch CUDA
     where there is one."""
     modules = ("torch", "torch.distributed", __name__)
-    if args.device == "cpu" and args.engine in ("megatron", "torchtitan"):
+    if args.device == "cpu" and args.engine in ("megatron", "bridge", "torchtitan"):
         modules += (f"te_paged.tools.preload_{args.engine}",)
     return modules
 
@@ -532,6 +573,14 @@ def run_ab_command(args: argparse.Namespace) -> int:
                   "megatron": "Megatron's own PagedStashRunner"}[cfg.runner]  # fmt: skip
         model = {"gpt": "GPTModel", "hybrid": "HybridModel"}[cfg.model]
         print(f"megatron-core {installed_version()}: {model}, the step driven by {driver}\n")
+    if args.engine == "bridge":
+        from te_paged.integrations.megatron.releases import installed_bridge_release
+
+        release = installed_bridge_release()
+        print(
+            f"megatron-bridge {release.version} (megatron-core {release.megatron_core}): "
+            "Bridge's pretrain(), the step driven by Megatron's own PagedStashRunner\n"
+        )
     if args.engine == "torchtitan":
         import importlib.metadata
 

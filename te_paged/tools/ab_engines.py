@@ -30,7 +30,8 @@ class AbEngine:
     ``summary``: what it runs, for ``--engine``'s help; ``short``: a few words for the engine
     group's title (None for the default engine, which needs no ``--engine``); ``config``: its
     model configuration class (imported when called); ``arguments``: adds the flags only this
-    engine takes to the group it is given, titled ``title`` (None: it has none)."""
+    engine takes to the group it is given, titled ``title`` (None: it has none); ``takes``:
+    another engine whose group's flags this one takes too (those it refuses, its checks name)."""
 
     name: str
     summary: str
@@ -38,6 +39,7 @@ class AbEngine:
     short: str | None = None
     title: str | None = None
     arguments: Callable[[Group], None] | None = None
+    takes: str | None = None
 
 
 #: name -> engine, in ``--engine``'s order (the default engine first).
@@ -65,6 +67,12 @@ def _megatron_config() -> type:
     return MegatronModelConfig
 
 
+def _bridge_config() -> type:
+    from te_paged.tools.engine_configs import BridgeModelConfig
+
+    return BridgeModelConfig
+
+
 def _jax_config() -> type:
     from te_paged.tools.jax_ab import JaxModelConfig  # imports no JAX
 
@@ -90,33 +98,34 @@ def _megatron_arguments(g: Group) -> None:
     g.add_argument(
         "--dropout",
         type=real(0, 1, strict_max=True),
-        help=f"hidden and attention dropout ({m.dropout}; megatron only)",
+        help=f"hidden and attention dropout ({m.dropout}; megatron and bridge only)",
     )
     knob(
         g,
         "--microbatches",
         type=integer(1),
-        help=f"microbatches per step, gradient accumulation ({m.microbatches}; megatron only)",
+        help=f"microbatches per step, gradient accumulation ({m.microbatches}; megatron and "
+        "bridge only)",
     )
     knob(
         g,
         "--pipeline-parallel",
         type=integer(1),
         help=f"pipeline-parallel stages, Megatron's 1F1B schedule ({m.pipeline_parallel}; "
-        "megatron only; the expert-parallel size defaults to the ranks of one stage); the "
-        "memory table is per stage",
+        "megatron and bridge only; the expert-parallel size defaults to the ranks of one "
+        "stage); the memory table is per stage",
     )
     knob(
         g,
         "--virtual-stages",
         type=integer(1),
         help="virtual pipeline stages per rank: Megatron's interleaved schedule (megatron "
-        "only; needs --pipeline-parallel > 1)",
+        "and bridge only; needs --pipeline-parallel > 1)",
     )
     g.add_argument(
         "--overlap-grad-reduce",
         action="store_true",
-        help="Megatron DDP's overlapped gradient all-reduce (megatron only)",
+        help="Megatron DDP's overlapped gradient all-reduce (megatron and bridge only)",
     )
     g.add_argument(
         "--model",
@@ -161,6 +170,17 @@ register(
         short="a Megatron-core GPTModel",
         title="megatron engine (Megatron-core's GPTModel, its DDP and pipeline schedules)",
         arguments=_megatron_arguments,
+    )
+)
+register(
+    AbEngine(
+        "bridge",
+        "Megatron-Bridge's own pretrain() on the megatron engine's GPT model (a GPTModelProvider "
+        "with te_paged's MoE layers), its DDP, distributed optimizer and Megatron's own "
+        "PagedStashRunner (needs megatron-bridge 0.6.2, docs/megatron-bridge.md)",
+        _bridge_config,
+        short="Megatron-Bridge's pretrain()",
+        takes="megatron",  # --dropout, --microbatches, the pipeline's, --overlap-grad-reduce
     )
 )
 register(

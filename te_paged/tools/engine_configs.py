@@ -17,6 +17,7 @@ __all__ = [
     "RUNNERS",
     "STASH_HIDDEN_SIZES",
     "STASH_TOKEN_COUNTS",
+    "BridgeModelConfig",
     "MegatronModelConfig",
     "ModelConfig",
     "TorchtitanModelConfig",
@@ -158,6 +159,24 @@ class MegatronModelConfig(ModelConfig):
             raise ValueError(f"model must be one of {MODELS}, got {self.model!r}")
         if self.flex_backend not in ("ncclep", "hybridep"):
             raise ValueError(f"flex_backend must be ncclep or hybridep, got {self.flex_backend!r}")
+
+
+@dataclasses.dataclass
+class BridgeModelConfig(MegatronModelConfig):
+    """The ``ab --engine bridge`` model and run: the megatron engine's GPT model, trained by
+    Megatron-Bridge's ``pretrain()``, whose step Megatron's own ``PagedStashRunner`` drives
+    (``runner`` is ``"megatron"``, ``model`` ``"gpt"``: the only ones Bridge's loop has)."""
+
+    runner: str = "megatron"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.runner != "megatron" or self.model != "gpt" or self.seq_schedule is not None:
+            raise ValueError(
+                "the bridge engine trains Bridge's GPTModel under Megatron's own "
+                "PagedStashRunner, one sequence length: runner='megatron', model='gpt', no "
+                f"seq_schedule (got {self.runner!r}, {self.model!r}, {self.seq_schedule!r})"
+            )
 
 
 #: The runners a Megatron step can be driven by (:attr:`MegatronModelConfig.runner`).

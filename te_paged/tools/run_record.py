@@ -2,8 +2,8 @@
 
 The record is :class:`~te_paged.tools.ab.ABResult` as a dict plus what a reader needs to trust
 and reproduce it: ``schema_version``, the te_paged and torch versions (JAX's for the jax
-engine, megatron-core's release for the megatron engine, torchtitan's for the torchtitan
-engine), the engine and the command line. A
+engine, megatron-core's release for the megatron and bridge engines, megatron-bridge's for the
+bridge engine, torchtitan's for the torchtitan engine), the engine and the command line. A
 value that is undefined or not finite (a ratio against a model that is not positive, a loss
 that overflowed) is written as ``null``, never as ``NaN`` or ``Infinity``, which strict
 parsers (``JSON.parse``, ``json.loads`` with ``parse_constant`` raising) reject. Every field
@@ -55,7 +55,12 @@ def build_record(result: ABResult, engine: str, command: list[str]) -> dict[str,
         "te_paged_version": __version__,
         "torch_version": _torch_version(),
         **({"jax_version": _jax_version()} if engine == "jax" else {}),
-        **({"megatron_core_version": _megatron_version()} if engine == "megatron" else {}),
+        **(
+            {"megatron_core_version": _megatron_version()}
+            if engine in ("megatron", "bridge")
+            else {}
+        ),
+        **({"megatron_bridge_version": _bridge_version()} if engine == "bridge" else {}),
         **({"torchtitan_version": _torchtitan_version()} if engine == "torchtitan" else {}),
         "command": [str(a) for a in command],
         "engine": engine,
@@ -83,6 +88,12 @@ def _megatron_version() -> str:
     from te_paged.integrations.megatron.releases import installed_version
 
     return installed_version()
+
+
+def _bridge_version() -> str:
+    from te_paged.integrations.megatron.releases import installed_bridge_release
+
+    return installed_bridge_release().version
 
 
 def _torchtitan_version() -> str:

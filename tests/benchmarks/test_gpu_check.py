@@ -24,6 +24,7 @@ NOT_ON_CPU = {
     # The step times are measured (the detail carries them); the target needs overlap's streams.
     7: "stream overlap needs CUDA (dry run on cpu): the target is not evaluated; OFF ",
     11: "deep_ep's HybridEP or megatron-core is not importable",
+    14: "Megatron-Bridge with Transformer Engine needs CUDA (dry run on cpu)",
 }
 #: Checks that spend much of their time waiting on processes of their own (the compile of the
 #: stash kernels for their registers; te-paged ab's ranks) run on a second thread, beside the

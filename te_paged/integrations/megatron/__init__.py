@@ -22,12 +22,19 @@ module             what
 ``specs``          whole-model specs: :func:`with_te_paged_moe` (every MoE layer of a layer,
                    block or hybrid-stack spec), :func:`gpt_layer_spec` (Megatron-LM's
                    ``--spec te_paged.integrations.megatron gpt_layer_spec``)
-``linears``        :class:`MegatronGroupedLinear` for Megatron's own ``TEGroupedMLP``
+``linears``        :class:`MegatronGroupedLinear` for Megatron's own ``TEGroupedMLP``;
+                   :func:`declare_parallel_layout` (fc1 column, fc2 row: what
+                   Megatron-Bridge's AutoBridge reads)
 ``state_dict``     Megatron expert checkpoints ↔ te_paged modules
 ``dist_ckpt``      Megatron ``dist_checkpointing`` layout of te_paged's experts and linears
 ``cpu_shims``      stand-ins for Megatron's CUDA-only calls, for CPU runs only (never
-                   installed by importing anything)
-``releases``       the supported megatron-core releases and what differs between them
+                   installed by importing anything); ``cpu_loop_shims`` Megatron-LM's
+                   training loop's, ``cpu_bridge_shims`` Megatron-Bridge's (on
+                   ``cpu_import_hooks``)
+``log_sources``    where the loop adapter reads the loop's logging settings (Megatron-LM's
+                   global arguments, Megatron-Bridge's ``GlobalState``)
+``releases``       the supported megatron-core (and megatron-bridge) releases and what
+                   differs between them
 ``common``         the lazy import, config reading, device rules
 =================  =====================================================================
 
@@ -66,6 +73,7 @@ from te_paged.integrations.megatron.experts import (
 )
 from te_paged.integrations.megatron.linears import (
     MegatronGroupedLinear,
+    declare_parallel_layout,
     get_te_paged_linear_moe_spec,
 )
 from te_paged.integrations.megatron.loop import MegatronLoopAdapter
@@ -90,6 +98,7 @@ __all__ = [
     "MegatronTEGroupedMLP",
     "PagedStashMoELayer",
     "StaticBudgetTokenDispatcher",
+    "declare_parallel_layout",
     "get_te_paged_experts_spec",
     "get_te_paged_linear_moe_spec",
     "get_te_paged_moe_spec",

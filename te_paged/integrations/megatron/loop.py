@@ -59,9 +59,15 @@ reduction has no figures here and is not done. A kept step's :class:`StepRecord`
 high-water marks or peak tokens for the same reason.
 
 **Logging.** :attr:`MegatronLoopAdapter.records` keeps the steps' records, ``on_record`` sees
-each; every ``log_interval`` training iterations (default: Megatron's ``--log-interval``) rank 0
-logs the fallbacks and the pool bytes, and writes them to Megatron's TensorBoard writer when it
-has one (``te_paged/fallbacks``, ``te_paged/pool_bytes``).
+each; every ``log_interval`` training iterations (default: the loop's own, Megatron-LM's
+``--log-interval`` or Megatron-Bridge's ``LoggerConfig.log_interval``, :mod:`.log_sources`)
+rank 0 logs the fallbacks and the pool bytes, and the rank holding the loop's TensorBoard
+writer writes them there (``te_paged/fallbacks``, ``te_paged/pool_bytes``).
+
+**Inference passes between steps.** A forward without autograd that no runner drives (no
+Megatron ``PagedStashRunner`` call on the stack, no te_paged runner inside its step) starts no
+attempt; in eval mode the layer runs it dropless and unstashed, leaving the step's counters as
+they were (:meth:`MegatronLoopAdapter.on_forward`): an RL framework's logprob pass.
 
 Importing this module does not import Megatron.
 """
