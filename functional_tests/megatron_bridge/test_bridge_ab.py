@@ -6,6 +6,8 @@ minute and a half on 2 cores."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from functional_tests.launch import run_python
@@ -37,7 +39,8 @@ def test_ab_engine_bridge_is_bitwise_and_saves_memory(launches) -> None:
     first = ("megatron-bridge 0.6.2 (megatron-core 0.19.2): Bridge's pretrain(), the step "
              "driven by Megatron's own PagedStashRunner")  # fmt: skip
     assert first in proc.stdout and "| step | loss ON | loss OFF |" in proc.stdout
-    assert "Traceback" not in proc.stderr
+    # No exception (Bridge's import notes of optional TE imports carry a traceback mid-line).
+    assert not re.search(r"^(\[rank\d\]: )?Traceback", proc.stderr, re.MULTILINE), proc.stderr
     data = check_record(js)  # strict JSON, valid against the schema
     assert data["engine"] == "bridge" and data["world_size"] == 4
     assert data["megatron_bridge_version"] == "0.6.2"

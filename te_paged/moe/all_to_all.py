@@ -4,13 +4,8 @@ backward."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
-
-if TYPE_CHECKING:
-    from te_paged.moe.dispatcher import StaticBudgetDispatcher
 
 __all__ = ["AllToAll", "all_to_all"]
 
@@ -33,7 +28,7 @@ class AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, x_S: torch.Tensor, group: dist.ProcessGroup, traffic: StaticBudgetDispatcher,
+        ctx, x_S: torch.Tensor, group: dist.ProcessGroup, traffic: object,
         routed: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
         ctx.group, ctx.traffic, ctx.routed = group, traffic, routed

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
+import warnings
 from collections.abc import Callable, Iterator
 
 import torch
@@ -212,7 +214,14 @@ def train(
                       on_train_step_start), ("on_train_step_end", on_train_step_end)):  # fmt: skip
         callbacks.register(event, fn)
     world = dist.get_world_size()
-    with destroy_groups_made_inside(), _metered_runner(meters):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(destroy_groups_made_inside())
+        stack.enter_context(_metered_runner(meters))
+        # The table is ab's: Bridge's set-up prints (its configuration summary, its timers)
+        # and its notes (experimental API, deprecations) stay out of it; errors still raise.
+        stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
+        stack.enter_context(warnings.catch_warnings())
+        warnings.simplefilter("ignore")
         _reset_aux_loss_tracker()
         try:
             config = _config(cfg, _provider(cfg, paged, ep, loop), world // cfg.pipeline_parallel)

@@ -91,6 +91,6 @@ def test_ab_help_names_the_jax_engine(capsys) -> None:
     with pytest.raises(SystemExit):
         cli.main(["ab", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    assert "{default,megatron,jax,torchtitan}" in out
+    assert "{default,megatron,bridge,jax,torchtitan}" in out
     assert "jax: te_paged.jax's ring-of-experts" in out
     assert "jax: the ring's size and the capacity factor, default 4" in out
