@@ -67,6 +67,7 @@ from te_paged.config.checks import require_real
 from te_paged.kernels.compiled import HostCall, host_call
 from te_paged.moe.all_to_all import AllToAll, all_to_all
 from te_paged.moe.config_adapter import as_moe_config
+from te_paged.torch_compat import backward_running
 
 __all__ = ["DispatchHandle", "StaticBudgetDispatcher", "static_budget"]
 
@@ -163,7 +164,7 @@ def _token_noter(dispatcher: StaticBudgetDispatcher):
     ref = weakref.ref(dispatcher)
 
     def note(_: torch.Tensor | None, num_tokens: int) -> None:
-        if torch._C._current_graph_task_id() == -1:
+        if not backward_running():
             ref().step_num_tokens.append(num_tokens)
 
     return note

@@ -67,7 +67,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import datetime
-import functools
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -77,11 +76,10 @@ import torch.distributed as dist
 from torch import nn
 
 from te_paged.config.checks import require_bool, require_int, require_real
-from te_paged.moe import MoELayer, StaticBudgetDispatcher
+from te_paged.moe import StaticBudgetDispatcher
 from te_paged.moe.participant import PagedStashParticipant, Participants, find_participants
 from te_paged.runtime.budget_sizing import BudgetSizing
 from te_paged.runtime.memory import measure_peak
-from te_paged.runtime.planner import RoutingProfile
 from te_paged.runtime.pool_sizing import PoolSizing
 from te_paged.runtime.records import (
     CapacityLimitError,
@@ -94,6 +92,7 @@ from te_paged.runtime.records import (
 )
 from te_paged.runtime.reduction import StepReduction, _RankStats
 from te_paged.runtime.reporting import Reporting
+from te_paged.runtime.routing_record import RoutingRecording
 from te_paged.runtime.step_state import ModuleState, StepState
 from te_paged.stash import PagedStashManager, StashMode
 from te_paged.telemetry import nvtx_range
@@ -113,7 +112,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-class PagedStashRunner(StepReduction, PoolSizing, BudgetSizing, Reporting):
+class PagedStashRunner(StepReduction, PoolSizing, BudgetSizing, Reporting, RoutingRecording):
     """Wraps one training step's forward-backward; see the module docstring.
 
     ``PagedStashRunner(model, manager=None, *, group=None, max_consecutive_fallbacks=3,
@@ -266,19 +265,7 @@ class PagedStashRunner(StepReduction, PoolSizing, BudgetSizing, Reporting):
         #: ``on_record`` sees every one, e.g. to append ``record.to_json()`` to a log file.
         self.records: collections.deque[StepRecord] = collections.deque(maxlen=keep_records)
         self.on_record = on_record
-        self.record_routing = record_routing
-        self.layers = [m for c in self.chunks for m in c.modules() if isinstance(m, MoELayer)]
-        self._route_calls: list[tuple[int, torch.Tensor]] = []  # (layer, tokens_per_expert_E)
-        self._routing: list[torch.Tensor] = []  # per step, CPU int64 [pass, layer, source, expert]
-        self._routed_tokens = 0
-        if record_routing:
-            if not self.layers:
-                raise ValueError(
-                    "record_routing needs te_paged MoE layers (their router reports "
-                    "tokens_per_expert); the model has none"
-                )
-            for i, layer in enumerate(self.layers):
-                layer.router.register_forward_hook(functools.partial(self._on_route, i))
+        self._init_routing(record_routing)
         if max_tokens_per_rank is not None:
             self._declare_max_tokens(max_tokens_per_rank)
 
@@ -539,8 +526,8 @@ class PagedStashRunner(StepReduction, PoolSizing, BudgetSizing, Reporting):
         self, step_fn: Callable[[], Any], state: StepState, record: StepRecord,
         per_rank: list[_RankStats],
     ) -> Any:  # fmt: skip
+        compiled = self.compiled()  # before the pools go: the attempt's traced scopes say it
         self._prepare_rerun(state, record, per_rank)
-        compiled = self.compiled()
         with contextlib.ExitStack() as fallback:
             self._enter_fallback(fallback, dropless=not compiled or bool(record.overbudget_ranks))
             if compiled and record.overbudget_ranks:
@@ -593,67 +580,29 @@ class PagedStashRunner(StepReduction, PoolSizing, BudgetSizing, Reporting):
             stack.enter_context(d.dropless_block())
 
     def compiled(self) -> bool:
-        """Whether the model runs compiled code: a module of it compiled with
-        ``nn.Module.compile`` (torchtitan's blocks), wrapped by ``torch.compile``, or the
-        runner told so (``compiled=True``). Under compile a rerun after a stash overflow alone
-        keeps the static budget (nothing was dropped; a static rerun equals the dropless one
-        bit for bit) and so runs the compiled graph with the stash off, the very graph of a
-        run that never paged; an over-budget rerun is dropless, whose rows are read on the
-        host, and runs eagerly (``torch.compiler.set_stance("force_eager")``). The rerun's
-        memory is then measured without a dispatch-mode tracker
-        (:class:`~te_paged.runtime.memory.PeakMemoryMeter`)."""
+        """Whether the step runs compiled code. By evidence first: a manager whose scopes this
+        step were opened by a compiled graph (:attr:`~te_paged.stash.PagedStashManager.
+        traced_scopes`), whatever the user compiled (a module, a function that calls the
+        layers, the whole step). Else a module of the model compiled with
+        ``nn.Module.compile`` (torchtitan's blocks) or wrapped by ``torch.compile``, or the
+        runner told so (``compiled=``, which overrides both).
+
+        Under compile a rerun after a stash overflow alone keeps the static budget (nothing
+        was dropped; a static rerun equals the dropless one bit for bit) and so runs the
+        compiled graph with the stash off, the very graph of a run that never paged; an
+        over-budget rerun is dropless, whose rows are read on the host, and runs eagerly
+        (``torch.compiler.set_stance("force_eager")``). The rerun's memory is then measured
+        without a dispatch-mode tracker (:class:`~te_paged.runtime.memory.PeakMemoryMeter`),
+        which Dynamo refuses inside ``fullgraph=True`` code."""
         if self._compiled is not None:
             return self._compiled
+        if any(m.traced_scopes for m in self.managers):
+            return True
         return any(
             getattr(m, "_compiled_call_impl", None) is not None
             or type(m).__name__ == "OptimizedModule"
             for chunk in self.chunks
             for m in chunk.modules()
-        )
-
-    # ------------------------------------------------------------------------------ routing
-
-    def _on_route(self, layer: int, module: nn.Module, inputs: Any, out: Any) -> None:
-        if torch._C._current_graph_task_id() != -1:
-            return  # a recomputation inside backward: this forward was already counted
-        self._route_calls.append((layer, out.tokens_per_expert.detach()))
-
-    def _gather_routing(self) -> None:
-        calls = [
-            [t for i, t in self._route_calls if i == layer] for layer in range(len(self.layers))
-        ]
-        passes = {len(c) for c in calls}
-        if len(passes) != 1:
-            raise RuntimeError(
-                "record_routing: the MoE layers ran different numbers of times in one step "
-                f"({[len(c) for c in calls]}); a profile needs every layer once per forward pass"
-            )
-        if not calls[0]:
-            return
-        local = torch.stack([torch.stack(c) for c in calls], dim=1)  # [pass, layer, expert]
-        d = self.layers[0].dispatcher
-        gathered = [local]
-        if d.ep_size > 1:
-            gathered = [torch.empty_like(local) for _ in range(d.ep_size)]
-            dist.all_gather(gathered, local, group=d.group)
-        self._routing.append(torch.stack(gathered, dim=2).cpu())  # the host read
-        self._routed_tokens = d.last_num_tokens
-        self._route_calls.clear()
-
-    def routing_profile(self) -> RoutingProfile:
-        """The routing recorded so far (``record_routing=True``), one profile step per forward
-        pass, split by source rank; ``.to_json(path)`` writes it for ``te-paged plan``."""
-        if not self.record_routing:
-            raise RuntimeError("construct the runner with record_routing=True to record routing")
-        if not self._routing:
-            raise RuntimeError("no step has been recorded yet")
-        d = self.layers[0].dispatcher
-        return RoutingProfile(
-            num_experts=d.config.num_moe_experts,
-            ep_size=d.ep_size,
-            top_k=d.config.moe_router_topk,
-            tokens_per_rank=self._routed_tokens,
-            tokens_by_source=torch.cat(self._routing).tolist(),
         )
 
     def _measured(

@@ -39,6 +39,7 @@ from te_paged.stash.pools import _Peak
 from te_paged.stash.stats import StashMode
 from te_paged.stash.streams import COMPUTE, PACK, UNPACK
 from te_paged.telemetry import nvtx_range
+from te_paged.torch_compat import storage_use_count, top_saved_tensors_hooks
 
 
 class _Group:
@@ -493,7 +494,7 @@ class Packing:
         if scope is not None:
             handle = self._pack_kind(t, kind, scope, traced=True)
         elif outside:  # an outer saved_tensors_hooks context owns it
-            hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            hooks = top_saved_tensors_hooks()
             handle = _Outer(hooks[0](t), hooks[1])
         else:
             raise RuntimeError(
@@ -548,4 +549,4 @@ def _exclusive(t: torch.Tensor) -> bool:
     temporary storage object this call makes, and a view's base (a reload is a view of the
     buffer the pop wrote, which nothing else holds)."""
     own = 2 + (t._base is not None)
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= own
+    return storage_use_count(t) <= own

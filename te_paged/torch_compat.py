@@ -1,0 +1,107 @@
+"""The torch APIs that differ between the releases te_paged runs on, switched in one place: the
+newest name where the running torch has it, the older one where it does not. Nothing else in
+te_paged imports a renamed torch API or reads a torch version.
+
+=================================  ==================================  ==========================
+what                               torch 2.15                          torch 2.13
+=================================  ==================================  ==========================
+opaque objects (the compiled       ``torch._custom_class_base.         ``torch._opaque_base.
+stash ops' arguments)              CustomClassBase``,                  OpaqueBase``,
+                                   ``register_custom_class(typ=        ``register_opaque_type(
+                                   "symbolic")``                       typ="reference")``
+``torch.clamp``'s gradient at the  0 (the limit is outside)            1 (the limit is inside)
+limit (:data:`CLAMP_GRAD_AT_LIMIT`)
+=================================  ==================================  ==========================
+
+The older names still import on 2.15, each with a deprecation warning (seven at ``import
+te_paged``); the newer ones do not exist on 2.13.
+
+The private names below have no public counterpart on either release and behave the same on
+both (checked on 2.13.0 and 2.15.0): what saved-tensor hooks are active, whether autograd's
+engine is running a backward, how many tensors share a storage. They are read here, one
+function each, so that the next rename is one edit. ``torch.library.EffectType`` is public on
+both; registering an effectful op is not (``torch.library._register_effectful_op``, called in
+:mod:`te_paged.kernels.compiled`). ``torch._dynamo.config.disable`` (the Megatron CPU shims)
+exists on both; ``torch.compiler.set_stance("force_eager")``, its public neighbour, still
+installs Dynamo's frame hook, which is what the shim keeps away.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+__all__ = [
+    "CLAMP_GRAD_AT_LIMIT",
+    "TORCH_RELEASE",
+    "OpaqueBase",
+    "backward_running",
+    "register_symbolic_opaque",
+    "require_torch",
+    "storage_use_count",
+    "top_saved_tensors_hooks",
+]
+
+#: The running torch's release as ``(major, minor)``.
+TORCH_RELEASE: tuple[int, int] = tuple(int(p) for p in torch.__version__.split(".")[:2])
+
+try:  # torch >= 2.15
+    from torch._custom_class_base import CustomClassBase as OpaqueBase
+    from torch._library.opaque_object import register_custom_class as _register
+
+    _SYMBOLIC = "symbolic"
+except ImportError:  # torch 2.10 to 2.14
+    from torch._library.opaque_object import register_opaque_type as _register
+
+    try:  # torch 2.11 to 2.14: opaque types derive from it
+        from torch._opaque_base import OpaqueBase
+    except ImportError:  # torch 2.10: any class
+        OpaqueBase = object
+
+    _SYMBOLIC = "reference"
+
+
+def require_torch(release: tuple[int, int], what: str) -> None:
+    """Raise ``ImportError`` naming ``release`` where the running torch is older: for a feature
+    that needs a newer torch than te_paged's floor, which must never degrade silently."""
+    if TORCH_RELEASE < release:
+        raise ImportError(
+            f"{what} needs torch >= {release[0]}.{release[1]}; this is torch {torch.__version__}"
+        )
+
+
+def register_symbolic_opaque(cls: type) -> None:
+    """Register ``cls`` as an opaque type the graph carries as an input and never looks into
+    (torch's Note [Opaque Objects]: "symbolic", formerly "reference")."""
+    _register(cls, typ=_SYMBOLIC)
+
+
+def _clamp_grad_at_limit() -> bool:
+    x = torch.ones(1, requires_grad=True)
+    with torch.enable_grad():
+        (grad,) = torch.autograd.grad(x.clamp(max=1.0), x)
+    return bool(grad.item() != 0)
+
+
+#: Whether ``torch.clamp`` passes the gradient of an element exactly at a limit (torch <= 2.14:
+#: yes; 2.15: no). te_paged's fused clamped activations follow it, as Megatron's activations
+#: do, which clamp with ``torch.clamp`` under autograd (docs/grouped.md, "Clamped activations").
+CLAMP_GRAD_AT_LIMIT: bool = _clamp_grad_at_limit()
+
+
+def top_saved_tensors_hooks() -> tuple[Callable, Callable] | None:
+    """The innermost active ``saved_tensors_hooks`` context's ``(pack, unpack)``, or None
+    (torch keeps one stack)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+def backward_running() -> bool:
+    """Whether autograd's engine is running a backward on this thread (a recomputation inside
+    backward, say)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def storage_use_count(t: torch.Tensor) -> int:
+    """How many tensors (and other holders) reference ``t``'s storage."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
