@@ -39,6 +39,7 @@ from te_paged.markers import (
     mark_grouped_tensor,
     propagate_paged_stash_marker,
 )
+from te_paged.torch_compat import CLAMP_GRAD_AT_LIMIT
 
 __all__ = [
     "ACTIVATIONS",
@@ -180,11 +181,13 @@ class WeightedQuickGeGLUFunction(torch.autograd.Function):
 
     Shapes as :class:`WeightedSwiGLUFunction`. Backward, with ``s = σ(α gate')``::
 
-        d_gate  = dy · probs · (up' + offset) · (s + α·gate'·s·(1 − s))   [0 where gate > limit]
-        d_up    = dy · probs · quick_gelu(gate')                          [0 where |up| > limit]
+        d_gate  = dy · probs · (up' + offset) · (s + α·gate'·s·(1 − s))   [0 where gate ≥ limit]
+        d_up    = dy · probs · quick_gelu(gate')                          [0 where |up| ≥ limit]
         d_probs = Σ_F dy · quick_gelu(gate') · (up' + offset)
 
-    (at ``gate == limit`` the gradient passes, as with ``torch.clamp``). Saves exactly what
+    (at ``gate == limit`` the gradient follows the running torch's ``torch.clamp``: it passes
+    up to torch 2.14 and is 0 from 2.15, :data:`te_paged.torch_compat.CLAMP_GRAD_AT_LIMIT`;
+    Megatron's quick-GeGLU clamps with ``torch.clamp`` under autograd). Saves exactly what
     :class:`WeightedSwiGLUFunction` saves, at the same cost: the clamp is recomputed in backward.
     """
 
@@ -212,9 +215,9 @@ class WeightedQuickGeGLUFunction(torch.autograd.Function):
         dgate_RF = dyp_RF * up_RF * (sig_RF + QUICK_GELU_ALPHA * gate_RF * sig_RF * (1 - sig_RF))
         dup_RF = dyp_RF * act_RF
         if ctx.limit is not None:
-            limit = ctx.limit
-            dgate_RF = torch.where(gate_raw_RF <= limit, dgate_RF, 0.0)
-            dup_RF = torch.where((up_raw_RF >= -limit) & (up_raw_RF <= limit), dup_RF, 0.0)
+            inside_gate_RF, inside_up_RF = _inside(gate_raw_RF, up_raw_RF, ctx.limit)
+            dgate_RF = torch.where(inside_gate_RF, dgate_RF, 0.0)
+            dup_RF = torch.where(inside_up_RF, dup_RF, 0.0)
         dprobs_R = (dy_RF * (act_RF * up_RF)).sum(dim=1)
         return *finish_grads(ctx, dgate_RF, dup_RF, dprobs_R), None, None, None, None, None
 
@@ -223,6 +226,15 @@ def _clamp(gate, up, limit: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     if limit is None:
         return gate, up
     return gate.clamp(max=limit), up.clamp(-limit, limit)
+
+
+def _inside(gate, up, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the clamp passes the gradient: the running torch's ``torch.clamp`` rule at the
+    limit itself (passed up to torch 2.14, stopped from 2.15), as Megatron's activations,
+    which clamp with ``torch.clamp`` under autograd, get it."""
+    if CLAMP_GRAD_AT_LIMIT:
+        return gate <= limit, (up >= -limit) & (up <= limit)
+    return gate < limit, (up > -limit) & (up < limit)
 
 
 def _check(x, probs, fp8_input_store, num_rows) -> Fp8Recipe | None:

@@ -29,7 +29,7 @@ ticket. Inductor does not keep effectful ops in program order (it ran a scope's 
 its saves, and an op with no output before them all), so nothing here relies on it: a traced
 scope is never closed, the manager keeps it by id until ``reset()``.
 
-``port`` is the manager as an opaque *reference* object (:class:`StashPort`, torch's Note
+``port`` is the manager as a *symbolic* opaque object (:class:`StashPort`, torch's Note
 [Opaque Objects]): a graph input the compiler never looks into. Each op's body runs, at run
 time, the very code eager runs from its hooks (:mod:`te_paged.stash.packing`): the capture
 step's exact-size copies, the paged steps' one copy and one pop kernel (which read every count
@@ -59,11 +59,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch._library.effects import EffectType
-from torch._library.opaque_object import register_opaque_type
-from torch._opaque_base import OpaqueBase
 
 from te_paged.markers import MarkerKind, grouped_tensor_marker, mark_grouped_tensor
+from te_paged.torch_compat import OpaqueBase, register_symbolic_opaque
 
 __all__ = [
     "HostCall",
@@ -79,8 +77,8 @@ __all__ = [
 
 
 class StashPort(OpaqueBase):
-    """A :class:`~te_paged.stash.PagedStashManager` as a custom op argument (an opaque
-    reference: the graph carries it, the op bodies use it). Holds the manager weakly."""
+    """A :class:`~te_paged.stash.PagedStashManager` as a custom op argument (a symbolic
+    opaque object: the graph carries it, the op bodies use it). Holds the manager weakly."""
 
     def __init__(self, manager: Any) -> None:
         self._manager = weakref.ref(manager)
@@ -117,9 +115,8 @@ class HostCall(OpaqueBase):
         self.fn = fn
 
 
-register_opaque_type(StashPort, typ="reference")
-register_opaque_type(StashSite, typ="reference")
-register_opaque_type(HostCall, typ="reference")
+for _cls in (StashPort, StashSite, HostCall):
+    register_symbolic_opaque(_cls)
 _CALL = f"{HostCall.__module__}.{HostCall.__qualname__}"
 _PORT = f"{StashPort.__module__}.{StashPort.__qualname__}"
 _SITE = f"{StashSite.__module__}.{StashSite.__qualname__}"
@@ -196,7 +193,7 @@ for _name, _fn in (
     ("host_call", _host_call),
 ):
     _LIB.impl(_name, _fn, "CompositeExplicitAutograd")
-    torch.library._register_effectful_op(f"te_paged::{_name}", EffectType.ORDERED)
+    torch.library._register_effectful_op(f"te_paged::{_name}", torch.library.EffectType.ORDERED)
 
 
 @torch.library.register_fake("te_paged::scope_enter")

@@ -22,6 +22,10 @@ module             what
 from __future__ import annotations
 
 from te_paged.integrations import TORCHTITAN_INSTALL, TORCHTITAN_RELEASE
+from te_paged.torch_compat import require_torch
+
+# torchtitan 0.3.0 imports torch.distributed.fsdp.DataParallelMeshDims, new in torch 2.12.
+require_torch((2, 12), f"te_paged.integrations.torchtitan (torchtitan {TORCHTITAN_RELEASE})")
 
 try:
     import torchtitan  # noqa: F401
@@ -31,7 +35,7 @@ except ImportError as e:  # pragma: no cover - the tests run with torchtitan ins
         f"{TORCHTITAN_INSTALL} (the constraint keeps pip from replacing your torch)"
     ) from e
 
-from te_paged.integrations.torchtitan.moe import (
+from te_paged.integrations.torchtitan.moe import (  # noqa: E402 - after the checks
     PagedGroupedExperts,
     PagedRoutedExperts,
     PagedStashConverter,

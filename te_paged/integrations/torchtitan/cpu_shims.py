@@ -50,6 +50,8 @@ import types
 
 import torch
 
+from te_paged.torch_compat import OpaqueBase
+
 __all__ = ["SHIMS", "install", "installed"]
 
 #: The shims, in the order :func:`install` applies them.
@@ -124,7 +126,7 @@ def install() -> None:
     fsdp = importlib.import_module("torchtitan.distributed.fsdp")
     opaque = importlib.import_module("torch._library.opaque_object")
     if not hasattr(opaque, "CustomClassBase"):  # torch 2.13's name for it
-        opaque.CustomClassBase = importlib.import_module("torch._opaque_base").OpaqueBase
+        opaque.CustomClassBase = OpaqueBase
     hybridep = importlib.import_module("torchtitan.distributed.deepep.hybridep")
     missing = [
         f"{m.__name__}.{attr}"
