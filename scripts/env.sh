@@ -1,15 +1,30 @@
 # Sourced by scripts/ab.sh and scripts/test.sh: create or reuse the virtual environment and
 # install pinned CPU torch *first*, so that nothing later can resolve a multi-GB CUDA build.
+#
+# TORCH_RELEASE picks the torch lane: 2.13.0 (the default, a CPU build on this machine's disk)
+# in .venv, any other release in .venv-torch<release> of its own (the registry's CUDA build,
+# about 3.5 GB, which runs on CPU). Such a lane pins torch for each of its pip calls with a
+# constraint file of its own, which also stands in for any cap a machine's pip configuration
+# sets (PIP_CONSTRAINT replaces it for those calls only).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-VENV=${VENV:-.venv}
+TORCH_RELEASE=${TORCH_RELEASE:-2.13.0}
+if [ "$TORCH_RELEASE" = 2.13.0 ]; then
+  VENV=${VENV:-.venv}
+else
+  VENV=${VENV:-.venv-torch$TORCH_RELEASE}
+fi
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 PY="$VENV/bin/python"
+if [ "$TORCH_RELEASE" != 2.13.0 ]; then
+  echo "torch==$TORCH_RELEASE" >"$VENV/torch-constraint.txt"
+  export PIP_CONSTRAINT="$(cd "$VENV" && pwd)/torch-constraint.txt"
+fi
 # pip compiles what it installs to bytecode on one core, most of torch's install time. torch and
 # what comes with it install without that, and are compiled on every core in the background
 # while the next installs run (those compile their own). `wait "$torch_bytecode"` before
 # starting a process that imports torch, or it reads the sources.
-"$PY" -m pip install -q --disable-pip-version-check --no-compile torch==2.13.0
+"$PY" -m pip install -q --disable-pip-version-check --no-compile "torch==$TORCH_RELEASE"
 SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 torch_bytecode=
 if ! compgen -G "$SITE/torch/__pycache__/__init__.*.pyc" >/dev/null; then  # just installed

@@ -34,9 +34,11 @@ import torch
 
 __all__ = [
     "CLAMP_GRAD_AT_LIMIT",
+    "COMPILE_RELEASE",
     "TORCH_RELEASE",
     "OpaqueBase",
     "backward_running",
+    "check_compile_release",
     "register_symbolic_opaque",
     "require_torch",
     "storage_use_count",
@@ -69,6 +71,33 @@ def require_torch(release: tuple[int, int], what: str) -> None:
         raise ImportError(
             f"{what} needs torch >= {release[0]}.{release[1]}; this is torch {torch.__version__}"
         )
+
+
+#: The oldest release te_paged's code compiles on. Its stash ops take opaque objects (torch's
+#: Note [Opaque Objects]): on torch 2.10 a registered class has no opaque base, and Dynamo cannot
+#: trace te_paged's checks on one (an ``isinstance``). 2.13 and 2.15 are the releases tested.
+COMPILE_RELEASE = (2, 13)
+_COMPILE_REFUSED = (
+    f"te_paged under torch.compile needs torch >= {COMPILE_RELEASE[0]}.{COMPILE_RELEASE[1]} "
+    f"(its paged-stash ops take opaque objects); this is torch {torch.__version__}: run the "
+    "MoE layers eagerly or upgrade torch"
+)
+
+
+def _refuse_compile() -> None:
+    raise RuntimeError(_COMPILE_REFUSED)
+
+
+# Run, not traced: a compiled region that reaches it raises when it runs (Dynamo breaks the
+# graph there), and under fullgraph=True Dynamo's own error carries the reason.
+_refuse_compile_now = torch.compiler.disable(_refuse_compile, reason=_COMPILE_REFUSED)
+
+
+def check_compile_release() -> None:
+    """Called where te_paged's code runs under torch.compile: on a torch older than
+    :data:`COMPILE_RELEASE` a ``RuntimeError`` naming it, never a silent eager fallback."""
+    if TORCH_RELEASE < COMPILE_RELEASE:
+        _refuse_compile_now()
 
 
 def register_symbolic_opaque(cls: type) -> None:

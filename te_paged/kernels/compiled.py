@@ -61,7 +61,7 @@ from typing import Any
 import torch
 
 from te_paged.markers import MarkerKind, grouped_tensor_marker, mark_grouped_tensor
-from te_paged.torch_compat import OpaqueBase, register_symbolic_opaque
+from te_paged.torch_compat import OpaqueBase, check_compile_release, register_symbolic_opaque
 
 __all__ = [
     "HostCall",
@@ -225,6 +225,7 @@ def host_call(call: HostCall, t: torch.Tensor | None, *args: int) -> None:
     """``call.fn(t, *args)``: now in eager; under torch.compile an op of the graph, run in
     program order when the graph runs."""
     if torch.compiler.is_compiling():
+        check_compile_release()
         torch.ops.te_paged.host_call(t, call, list(args))
     else:
         call.fn(t, *args)

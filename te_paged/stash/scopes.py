@@ -16,7 +16,7 @@ from te_paged.kernels.compiled import StashSite, TracedScope, pop_scope_port, pu
 from te_paged.kernels.layout import Flag
 from te_paged.stash.packing import _Group, _Scope
 from te_paged.stash.stats import StashMode
-from te_paged.torch_compat import top_saved_tensors_hooks
+from te_paged.torch_compat import check_compile_release, top_saved_tensors_hooks
 
 __all__ = ["Scopes"]
 
@@ -64,8 +64,11 @@ class Scopes:
         """
         if self._disabled_depth:
             return contextlib.nullcontext()
+        compiling = torch.compiler.is_compiling()
+        if compiling:
+            check_compile_release()
         self._check_scope_args(max_num_tokens, num_tokens, avg_num_tokens, layer)
-        if torch.compiler.is_compiling():
+        if compiling:
             site, number = (layer, -1) if isinstance(layer, StashSite) else (self._site, layer)
             return TracedScope(
                 self._port, site, max_num_tokens, num_tokens.reshape(1), avg_num_tokens,

@@ -30,3 +30,28 @@ def test_a_feature_that_needs_a_newer_torch_names_the_release(monkeypatch) -> No
     monkeypatch.delitem(sys.modules, "te_paged.integrations.torchtitan", raising=False)
     with pytest.raises(ImportError, match=r"torchtitan 0\.3\.0\) needs torch >= 2\.12; this is"):
         importlib.import_module("te_paged.integrations.torchtitan")
+
+
+@pytest.mark.parametrize("fullgraph", [True, False], ids=["fullgraph", "graph_breaks"])
+def test_compiling_on_a_torch_older_than_the_compiled_stash_needs_names_the_release(
+    monkeypatch, fullgraph
+) -> None:
+    """torch 2.10's Dynamo cannot trace te_paged's opaque objects: a compiled layer raises,
+    naming the release, instead of falling back to eager silently (fullgraph=False would)."""
+    from te_paged import MoEConfig, PagedStashManager
+    from te_paged.moe import TEGroupedMLP
+
+    monkeypatch.setattr(torch_compat, "TORCH_RELEASE", (2, 10))
+    cfg = MoEConfig(
+        hidden_size=16, moe_ffn_hidden_size=16, num_moe_experts=2,
+        moe_expert_rank_capacity_factor=2.0, moe_paged_stash=True, moe_paged_stash_page_size=4,
+        moe_use_grouped_tensor=True, params_dtype=torch.bfloat16,
+    )  # fmt: skip
+    mlp = TEGroupedMLP(2, cfg, manager=PagedStashManager.from_config(cfg, "cpu"))
+    torch._dynamo.reset()
+    compiled = torch.compile(mlp, backend="aot_eager", fullgraph=fullgraph)
+    x = torch.randn(32, 16, dtype=torch.bfloat16)
+    with pytest.raises(Exception, match=r"torch\.compile needs torch >= 2\.13") as raised:
+        compiled(x, torch.tensor([5, 7]), torch.rand(32))
+    assert fullgraph or isinstance(raised.value, RuntimeError)
+    torch._dynamo.reset()

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from te_paged.tools.megatron_ab import destroy_groups_made_inside
+from te_paged.torch_compat import TORCH_RELEASE
 
 
 def _gloo_loop_threads() -> int:
@@ -60,7 +61,10 @@ def test_groups_made_inside_are_destroyed_and_their_threads_end(tmp_path) -> Non
             held["self"] = held
             for group in held["groups"]:
                 dist.all_reduce(torch.ones(1), group=group)
-            assert _threads_once_settled(threads_before + 3) == threads_before + 3
+            # torch 2.13's and 2.15's gloo name their loop threads; 2.10's leaves them unnamed,
+            # uncounted here (the groups' destruction is still checked).
+            named = TORCH_RELEASE >= (2, 13)
+            assert _threads_once_settled(threads_before + 3) == threads_before + 3 * named
             del held, group
         assert set(distributed_c10d._world.pg_map) == groups_before
         assert _threads_once_settled(threads_before) == threads_before
