@@ -81,16 +81,21 @@ def test_megatron_docs_example_runs_as_written(launches, release: str) -> None:
         assert re.match(r"iteration \d loss \d+\.\d{4} attempt [12] \(stash overflow", line), line
 
 
-def test_megatron_docs_pretrain_script_runs_as_written(launches) -> None:
-    output = launches.result(LAUNCH_PRETRAIN)
-    iterations = re.findall(
-        r"iteration +(\d+)/ +4 \|.*lm loss: (\S+) .*grad norm: (\S+) \|", output
-    )
+def check_four_iterations_paged(output: str) -> None:
+    """A 4-iteration ``pretrain()`` log with evaluations at 2 and 4: Megatron's iteration lines
+    (a loss and a grad norm each), and te_paged's line per iteration (rank 0): the stash ran,
+    nothing fell back."""
+    line = r"iteration +(\d+)/ +4 \|.*lm loss: (\S+) .*grad norm: (\S+) \|"
+    iterations = re.findall(line, output)
     assert [i for i, _, _ in iterations] == ["1", "2", "3", "4"], output[-6000:]
     assert all(float(loss) > 0 and float(norm) > 0 for _, loss, norm in iterations), iterations
     assert "validation loss at iteration 2" in output and "validation loss at iteration 4" in output
-    # te_paged's line per iteration (rank 0): the stash ran, nothing fell back.
     lines = re.findall(r"te_paged: iteration (\d+): (\d+) fallback\(s\).*pools (\S+) MiB", output)
     assert [i for i, _, _ in lines] == ["1", "2", "3", "4"], output[-6000:]
     assert all(n == "0" and float(mib) > 0 for _, n, mib in lines), lines
+
+
+def test_megatron_docs_pretrain_script_runs_as_written(launches) -> None:
+    output = launches.result(LAUNCH_PRETRAIN)
+    check_four_iterations_paged(output)
     assert "Traceback" not in output

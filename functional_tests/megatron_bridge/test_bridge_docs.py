@@ -12,7 +12,10 @@ from pathlib import Path
 
 from functional_tests.launch import forkrun
 from functional_tests.megatron import release_env
-from functional_tests.megatron.test_megatron_docs import extract_example
+from functional_tests.megatron.test_megatron_docs import (
+    check_four_iterations_paged,
+    extract_example,
+)
 from functional_tests.megatron_bridge import MEGATRON_RELEASE, PRELOAD, bridge_env, bridge_folder
 from functional_tests.prelaunch import alone
 
@@ -39,15 +42,7 @@ LAUNCHES = [LAUNCH]
 
 def test_the_bridge_script_runs_as_written(launches) -> None:
     output = launches.result(LAUNCH)
-    line = r"iteration +(\d+)/ +4 \|.*lm loss: (\S+) .*grad norm: (\S+) \|"
-    iterations = re.findall(line, output)
-    assert [i for i, _, _ in iterations] == ["1", "2", "3", "4"], output[-6000:]
-    assert all(float(loss) > 0 and float(norm) > 0 for _, loss, norm in iterations), iterations
-    assert "validation loss at iteration 2" in output and "validation loss at iteration 4" in output
-    # te_paged's line per iteration (rank 0, through Bridge's state): it paged, nothing reran.
-    lines = re.findall(r"te_paged: iteration (\d+): (\d+) fallback\(s\).*pools (\S+) MiB", output)
-    assert [i for i, _, _ in lines] == ["1", "2", "3", "4"], output[-6000:]
-    assert all(n == "0" and float(mib) > 0 for _, n, mib in lines), lines
+    check_four_iterations_paged(output)  # te_paged's line through Bridge's state
     # No exception: Bridge's import logs (INFO) the tracebacks of its optional imports that
     # fail without Transformer Engine ("Import of ... failed with: Traceback ..."), mid-line.
     assert not re.search(r"^(\[rank\d\]: )?Traceback", output, re.MULTILINE), output[-6000:]

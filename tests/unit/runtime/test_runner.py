@@ -90,15 +90,21 @@ def make(cfg_kw=None, layers=2, seed=0, dropout=0.0):
     return model, manager
 
 
-def step_fn(model, step: int):
+def step_fn(model, step: int, forward=None):
+    """One step's forward and backward through ``model``'s layers, or through ``forward(x,
+    tokens, probs)`` where given (a compiled function, say)."""
+
     def fn():
         g = torch.Generator().manual_seed(step)
         x = torch.randn(ROWS, 32, generator=g)
         probs = torch.rand(ROWS, generator=g)
         tokens = torch.tensor([10, 0, 7, 13] if step % 2 == 0 else [1, 20, 5, 3])
-        h = x
-        for layer in model:
-            h = layer(h, tokens, probs)
+        if forward is None:
+            h = x
+            for layer in model:
+                h = layer(h, tokens, probs)
+        else:
+            h = forward(x, tokens, probs)
         loss = h.square().sum()
         loss.backward()
         return loss.detach()

@@ -114,22 +114,6 @@ def test_a_rerun_compiles_once_and_equals_a_run_that_never_overflowed() -> None:
     assert manager.mode is StashMode.CAPTURED and manager.stats().stashes > 0
 
 
-def _function_step(forward, step: int):
-    """test_runner's step_fn, through a compiled function that calls the experts (no module
-    of the model is compiled)."""
-
-    def fn():
-        g = torch.Generator().manual_seed(step)
-        x = torch.randn(ROWS, 32, generator=g)
-        probs = torch.rand(ROWS, generator=g)
-        tokens = torch.tensor([10, 0, 7, 13] if step % 2 == 0 else [1, 20, 5, 3])
-        loss = forward(x, tokens, probs).square().sum()
-        loss.backward()
-        return loss.detach()
-
-    return fn
-
-
 def _compiled_function(model, fullgraph: bool):
     def forward(h, tokens, probs):
         for layer in model:
@@ -151,11 +135,11 @@ def test_a_compiled_function_is_found_by_its_traced_scopes_and_reruns_exactly(fu
     forward = _compiled_function(model, fullgraph)
     runner = PagedStashRunner(model, manager, grow_pool=False)
     assert not runner.compiled()  # before a step: no module of the model is compiled
-    runner.step(_function_step(forward, 0))  # capture
+    runner.step(step_fn(model, 0, forward))  # capture
     assert manager.traced_scopes == 2, "the compiled graph's scopes were not counted as traced"
     model.zero_grad()
     try:
-        _, rec = runner.step(_function_step(forward, 1))
+        _, rec = runner.step(step_fn(model, 1, forward))
     except RuntimeError as e:  # what Dynamo raises in fullgraph code under a dispatch mode
         pytest.fail(f"the rerun of a compiled step ran under a dispatch-mode tracker: {e}"[:600])
     assert rec.stash_overflow_ranks == 1 and rec.attempt == 2 and not rec.enabled
@@ -166,7 +150,7 @@ def test_a_compiled_function_is_found_by_its_traced_scopes_and_reruns_exactly(fu
     )
     reference, ref_manager = make(cfg)
     with ref_manager.disabled():
-        _function_step(_compiled_function(reference, fullgraph), 1)()
+        step_fn(reference, 1, _compiled_function(reference, fullgraph))()
     assert all(torch.equal(a, b) for a, b in zip(grads(model), grads(reference)))
 
 
