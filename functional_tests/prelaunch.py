@@ -9,10 +9,11 @@ being collected, or else when collection ends, the suite starts every :class:`La
 selected tests read (a test's ``@pytest.mark.launch(L)``, or
 its module's ``LAUNCHES`` for a module fixture), in the order the tests come, on background
 threads (one per four cores, at least one: a launch runs four ranks); a module's fixture then
-waits for its launch's result (:meth:`Lane.result`). On two cores one thread is the fastest:
-two threads' eight ranks starved the tests' own process (benchmarks/results/suite-time-*.md).
-A launch no collected test declared runs when its fixture asks for it, on the test's own
-thread.
+waits for its launch's result (:meth:`Lane.result`). On two cores one thread is the fastest
+while the in-process tests run: two threads' eight ranks starved the tests' own process
+(benchmarks/results/suite-time-*.md). Once a test waits for a launch, its thread is the second:
+it runs the queued launches while it waits. A launch no collected test declared runs when its
+fixture asks for it, on the test's own thread.
 
 Launches that share a :attr:`Launch.group` are one launch: ``run`` gets every part the collected
 tests need and returns each part's result. The Megatron workers on one release share one
@@ -110,11 +111,16 @@ class Lane:
             self._queue = [g for g in self._queue if g in keep or g in self._futures]
 
     def result(self, launch: Launch) -> Any:
-        """``launch``'s result: waits for the background launch, or runs it now when it is
-        not queued (or not started yet)."""
+        """``launch``'s result: runs it now when it is not queued (or not started yet), or
+        else, while it runs on another thread, runs the queued launches nobody has started, in
+        order, on this thread, then waits. The test's thread has nothing else to do meanwhile:
+        at the end of a run, when only launches are left, the lane's one thread used 1.2 of the
+        two cores (benchmarks/results/suite-time-2026-12-07.md)."""
         future, owner = self._claim(launch.group, launch.part, launch.run)
         if owner:
             self._execute(launch.group, future)
+        while not future.done() and self._run_next():
+            pass
         return future.result()[launch.part]
 
     def drain(self) -> None:
@@ -158,14 +164,20 @@ class Lane:
         """Run, on this thread, each queued launch nobody has started yet, in order, including
         those queued meanwhile; a lane thread then leaves the running set (under the lock that
         :meth:`plan` starts threads under, so no launch is queued with no thread to take it)."""
-        while True:
-            with self._lock:
-                group = next((g for g in self._queue if g not in self._futures), None)
-                if group is None or self._stopped.is_set():
-                    self._running.discard(threading.current_thread())
-                    return
-                future = self._futures[group] = Future()
-            self._execute(group, future)
+        while self._run_next():
+            pass
+
+    def _run_next(self) -> bool:
+        """Run, on this thread, the first queued launch nobody has started; ``False`` when there
+        is none (or the session is ending), and then the thread leaves the running set."""
+        with self._lock:
+            group = next((g for g in self._queue if g not in self._futures), None)
+            if group is None or self._stopped.is_set():
+                self._running.discard(threading.current_thread())
+                return False
+            future = self._futures[group] = Future()
+        self._execute(group, future)
+        return True
 
 
 def folders(factory: Any) -> Callable[[str], Path]:

@@ -38,11 +38,31 @@ def test_launches_of_one_group_run_once_with_every_part_in_test_order(tmp_path) 
     other = Launch("h", "x", other_run)
     lane = _lane(tmp_path)
     lane.plan([first, other, second, first])
+    assert ran.wait(timeout=30)  # started in the background: no test asked for it yet
     assert lane.result(second) == "a done" and lane.result(first) == "b done"
     assert calls == [(("b", "a"), "g")]
-    # Once it has run, the test's own result() cannot have started it: a lane's thread did.
-    assert ran.wait(timeout=30)
     assert lane.result(other).startswith("prelaunch-")
+
+
+def test_a_test_waiting_for_a_running_launch_runs_the_queued_ones_meanwhile(tmp_path) -> None:
+    """The lane's one thread runs ``g``, which needs ``h`` to run beside it; the test waiting for
+    ``g`` runs ``h`` on its own thread (before, it only waited: one core idle at a run's end)."""
+    g_started, h_ran = threading.Event(), threading.Event()
+
+    def g(parts, out):
+        g_started.set()
+        return {"g": h_ran.wait(timeout=10)}
+
+    def h(parts, out):
+        h_ran.set()
+        return {"h": threading.current_thread().name}
+
+    lane = _lane(tmp_path)
+    launch_g, launch_h = Launch("g", "g", g), Launch("h", "h", h)
+    lane.plan([launch_g, launch_h])
+    assert g_started.wait(timeout=30)
+    assert lane.result(launch_g), "the test's thread did not run the queued launch while it waited"
+    assert lane.result(launch_h) == threading.current_thread().name
 
 
 def test_a_failed_launch_fails_every_test_that_reads_it(tmp_path) -> None:

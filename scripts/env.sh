@@ -33,3 +33,10 @@ if ! compgen -G "$SITE/torch/__pycache__/__init__.*.pyc" >/dev/null; then  # jus
   "$PY" -m compileall -q -j 0 "$SITE"/* >/dev/null 2>&1 &
   torch_bytecode=$!
 fi
+# The repository's own modules as bytecode, once the editable install is in place: where
+# PYTHONDONTWRITEBYTECODE is set (it is on this project's machines), each process the tests
+# start (every launch, every `te-paged` command) would compile te_paged's sources again, about
+# 0.8 s of CPU each.
+repo_bytecode() {
+  "$PY" -m compileall -q -j 0 te_paged functional_tests tests >/dev/null
+}

@@ -25,6 +25,7 @@ if [ ! -d "$inductor_cache/fxgraph" ]; then
   warm_compile+=($!)
 fi
 "$PY" -m pip install -q --disable-pip-version-check -e ".[test]"
+repo_bytecode
 source scripts/torchtitan.sh  # torchtitan 0.3.0, for its integration tests
 source scripts/jax_env.sh  # .venv-jax: Python 3.12, te_paged.jax without torch
 for pid in "${warm_compile[@]}"; do  # a failed warm-up costs only its time (the test compiles)

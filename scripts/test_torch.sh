@@ -18,6 +18,7 @@ esac
 source scripts/megatron.sh
 source scripts/bridge.sh
 "$PY" -m pip install -q --disable-pip-version-check -e ".[test]"
+repo_bytecode
 source scripts/torchtitan.sh
 [ -z "$torch_bytecode" ] || wait "$torch_bytecode" || true  # env.sh
 bridge_wait
