@@ -42,9 +42,13 @@ from pathlib import Path
 import torch
 
 STEPS = 3
-#: Megatron's own flags, as a user passes them (megatron-core 0.19.2's argument parser).
+#: Megatron's own flags, as a user passes them (megatron-core 0.19.2's argument parser). The
+#: backend is gloo already, so Megatron's extra gloo copies of its groups are turned off: each
+#: gloo group's TCP loop thread wakes every 10 ms while it lives, and this launch took 199 s of
+#: CPU with them, 158 s without (benchmarks/results/suite-time-2026-12-07.md).
 BASE = [
-    "--distributed-backend", "gloo", "--transformer-impl", "local", "--use-cpu-initialization",
+    "--distributed-backend", "gloo", "--disable-gloo-process-groups", "--transformer-impl", "local",
+    "--use-cpu-initialization",
     "--no-gradient-accumulation-fusion", "--no-persist-layer-norm", "--no-bias-gelu-fusion",
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
     "--ffn-hidden-size", "128", "--seq-length", "64", "--max-position-embeddings", "64",
