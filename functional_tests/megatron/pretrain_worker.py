@@ -44,8 +44,8 @@ import torch
 STEPS = 3
 #: Megatron's own flags, as a user passes them (megatron-core 0.19.2's argument parser). The
 #: backend is gloo already, so Megatron's extra gloo copies of its groups are turned off: each
-#: gloo group's TCP loop thread wakes every 10 ms while it lives, and this launch took 199 s of
-#: CPU with them, 158 s without (benchmarks/results/suite-time-2026-12-07.md).
+#: gloo group's TCP loop thread wakes every 10 ms while it lives: this launch took 183-199 s of
+#: CPU with them, 157-158 s without (benchmarks/results/suite-time-2026-12-07.md).
 BASE = [
     "--distributed-backend", "gloo", "--disable-gloo-process-groups", "--transformer-impl", "local",
     "--use-cpu-initialization",
