@@ -23,6 +23,8 @@ Like torchrun: the first rank to fail ends the others (SIGTERM, then SIGKILL aft
 every rank. Unlike torchrun's, a rank ends without the interpreter's teardown (its ``atexit``
 handlers do not run; multiprocessing's finalizers do), as te-paged's own ranks end
 (``te_paged.tools.launch.leave``): gloo's native threads were seen to abort finished ranks there.
+And unlike torchrun's, a rank's gloo groups share one transport device
+(``functional_tests/gloo.py``): one loop thread a rank, not one a group.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import sys
 import threading
 import time
 
+from functional_tests.gloo import share_one_device
 from te_paged.tools.launch import leave
 
 #: Seconds the other ranks get to end after SIGTERM before SIGKILL.
@@ -126,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         preload.append(args.module)  # its imports; the rank runs it again as __main__
     for name in preload:
         importlib.import_module(name)
+    share_one_device()  # in every rank: the megatron-core workers' 130 gloo groups a rank
     if threading.active_count() > 1:
         names = ", ".join(t.name for t in threading.enumerate() if t is not threading.main_thread())
         print(f"forkrun: importing {preload} started threads ({names}); a fork would not "

@@ -20,10 +20,18 @@ if __name__ == "__main__":
     dist.init_process_group("gloo")
     total = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(total)
+    groups = [dist.new_group([0, 1]) for _ in range(4)]  # rank 2 is in none of them
+    in_groups = [torch.ones(1) for _ in groups]
+    for group, one in zip(groups, in_groups):
+        if dist.get_rank() < 2:
+            dist.all_reduce(one, group=group)
+    task = "/proc/self/task"
+    threads = [open(f"{task}/{t}/comm").read().strip() for t in os.listdir(task)]
     names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
     out = {name: os.environ[name] for name in names}
     out.update(total=total.item(), argv=sys.argv[1:], imported_by=imported_once.PID,
-               launcher=os.getppid())
+               launcher=os.getppid(), in_groups=[one.item() for one in in_groups],
+               gloo_loops=threads.count("gloo_tcp_loop"))
     with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(out, f)
     dist.destroy_process_group()
@@ -55,6 +63,10 @@ def test_ranks_get_torchruns_variables_and_the_preloaded_modules_of_the_launcher
         assert seen["argv"] == [str(tmp_path), "--flag"]
         # Imported once, by the launcher the ranks were forked from.
         assert seen["imported_by"] == seen["launcher"] == ranks[0]["launcher"]
+        # Five gloo groups on ranks 0 and 1, and one transport loop thread a rank
+        # (functional_tests/gloo.py); torch alone would start one a group.
+        assert seen["in_groups"] == [2.0 if rank < 2 else 1.0] * 4
+        assert seen["gloo_loops"] == 1, f"rank {rank}: a gloo loop thread per group: {seen}"
 
 
 def test_a_failing_rank_ends_the_others_and_its_status_is_the_launchers(tmp_path):
