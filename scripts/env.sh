@@ -33,6 +33,9 @@ if ! compgen -G "$SITE/torch/__pycache__/__init__.*.pyc" >/dev/null; then  # jus
   "$PY" -m compileall -q -j 0 "$SITE"/* >/dev/null 2>&1 &
   torch_bytecode=$!
 fi
+# JAX's compilation cache for the tests (tests/unit/jax/conftest.py), outside the repository as
+# inductor's is: the torch lanes run the JAX tests the main command ran, on the same jax.
+export TE_PAGED_TEST_XLA_CACHE=${TE_PAGED_TEST_XLA_CACHE-${TMPDIR:-/tmp}/te_paged_xla_$(id -un)}
 # The repository's own modules as bytecode, once the editable install is in place: where
 # PYTHONDONTWRITEBYTECODE is set (it is on this project's machines), each process the tests
 # start (every launch, every `te-paged` command) would compile te_paged's sources again, about

@@ -39,7 +39,9 @@ bridge_wait
 # a process unless the caller sets it.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 if [ $# -eq 0 ]; then  # the whole suite: the JAX tests in the environment without torch too
-  "$JAX_VENV/bin/python" -m pytest -q -p no:cacheprovider -m torch_free tests/unit/jax
+  # (A newer jax there, without the filelock package: a cache of its own.)
+  TE_PAGED_TEST_XLA_CACHE= "$JAX_VENV/bin/python" -m pytest -q -p no:cacheprovider -m torch_free \
+    tests/unit/jax
   # Those that block torch's import to stand in for its absence have just run where it is
   # absent; the rest run again here, on the test extra's JAX beside torch.
   exec "$PY" -m pytest -q -m "not torch_blocked"
