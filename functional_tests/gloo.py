@@ -25,7 +25,7 @@ def share_one_device() -> None:
     class OneDeviceGloo(base):  # type: ignore[misc, valid-type]
         shares_one_device = True
 
-        def __init__(self, store, rank, size, timeout=datetime.timedelta(minutes=30)):
+        def __init__(self, store, rank, size, timeout=datetime.timedelta(minutes=30), **flags):
             if isinstance(timeout, base._Options):  # options given: as torch's own callers do
                 super().__init__(store, rank, size, timeout)
                 return
@@ -34,6 +34,8 @@ def share_one_device() -> None:
             options = base._Options()
             options._devices = devices
             options._timeout = timeout
+            for name, value in flags.items():  # torch 2.15's enable_reconfigure, say
+                setattr(options, name, value)  # one these options lack: AttributeError
             super().__init__(store, rank, size, options)
 
     OneDeviceGloo.__name__ = OneDeviceGloo.__qualname__ = base.__name__
