@@ -25,13 +25,16 @@ if __name__ == "__main__":
     for group, one in zip(groups, in_groups):
         if dist.get_rank() < 2:
             dist.all_reduce(one, group=group)
+    mine = [dist.group.WORLD, *groups] if dist.get_rank() < 2 else [dist.group.WORLD]
+    devices = [g._get_backend(torch.device("cpu")).options._devices[0] for g in mine]
     task = "/proc/self/task"
     threads = [open(f"{task}/{t}/comm").read().strip() for t in os.listdir(task)]
     names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
     out = {name: os.environ[name] for name in names}
     out.update(total=total.item(), argv=sys.argv[1:], imported_by=imported_once.PID,
                launcher=os.getppid(), in_groups=[one.item() for one in in_groups],
-               gloo_loops=threads.count("gloo_tcp_loop"))
+               gloo_devices=len({id(device) for device in devices}),
+               gloo_loops=threads.count("gloo_tcp_loop"), named="pt_gloo_runloop" in threads)
     with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(out, f)
     dist.destroy_process_group()
@@ -63,10 +66,12 @@ def test_ranks_get_torchruns_variables_and_the_preloaded_modules_of_the_launcher
         assert seen["argv"] == [str(tmp_path), "--flag"]
         # Imported once, by the launcher the ranks were forked from.
         assert seen["imported_by"] == seen["launcher"] == ranks[0]["launcher"]
-        # Five gloo groups on ranks 0 and 1, and one transport loop thread a rank
-        # (functional_tests/gloo.py); torch alone would start one a group.
+        # Five gloo groups on ranks 0 and 1 and one transport device a rank, so one loop
+        # thread (functional_tests/gloo.py); torch alone gives each group its own. (torch
+        # 2.10 leaves gloo's threads unnamed.)
         assert seen["in_groups"] == [2.0 if rank < 2 else 1.0] * 4
-        assert seen["gloo_loops"] == 1, f"rank {rank}: a gloo loop thread per group: {seen}"
+        assert seen["gloo_devices"] == 1, f"rank {rank}: a gloo device per group: {seen}"
+        assert seen["gloo_loops"] == seen["named"], f"rank {rank}: gloo loop threads: {seen}"
 
 
 def test_a_failing_rank_ends_the_others_and_its_status_is_the_launchers(tmp_path):
