@@ -36,10 +36,12 @@ fi
 # JAX's compilation cache for the tests (tests/unit/jax/conftest.py), outside the repository as
 # inductor's is: the torch lanes run the JAX tests the main command ran, on the same jax.
 export TE_PAGED_TEST_XLA_CACHE=${TE_PAGED_TEST_XLA_CACHE-${TMPDIR:-/tmp}/te_paged_xla_$(id -un)}
-# The repository's own modules as bytecode, once the editable install is in place: where
-# PYTHONDONTWRITEBYTECODE is set (it is on this project's machines), each process the tests
-# start (every launch, every `te-paged` command) would compile te_paged's sources again, about
-# 0.8 s of CPU each.
-repo_bytecode() {
+# te_paged itself, editable, with its test extra; then its modules as bytecode. pip writes
+# te_paged.egg-info into the repository: the lanes that .ci/run runs at once take turns
+# (a lock on pyproject.toml, which nothing writes). Bytecode: where PYTHONDONTWRITEBYTECODE is
+# set (it is on this project's machines), each process the tests start (every launch, every
+# `te-paged` command) would compile te_paged's sources again, about 0.8 s of CPU each.
+install_repo() {
+  flock pyproject.toml "$PY" -m pip install -q --disable-pip-version-check -e ".[test]"
   "$PY" -m compileall -q -j 0 te_paged functional_tests tests >/dev/null
 }

@@ -24,8 +24,7 @@ if [ ! -d "$inductor_cache/fxgraph" ]; then
     tests/unit/grouped/test_weighted_activation.py >"$warm_dir/activations.log" 2>&1 &
   warm_compile+=($!)
 fi
-"$PY" -m pip install -q --disable-pip-version-check -e ".[test]"
-repo_bytecode
+install_repo  # env.sh
 source scripts/torchtitan.sh  # torchtitan 0.3.0, for its integration tests
 source scripts/jax_env.sh  # .venv-jax: Python 3.12, te_paged.jax without torch
 for pid in "${warm_compile[@]}"; do  # a failed warm-up costs only its time (the test compiles)

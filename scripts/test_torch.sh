@@ -17,8 +17,7 @@ case "$TORCH_RELEASE" in  # torch 2.10's Triton (3.6) interprets kernels with Nu
 esac
 source scripts/megatron.sh
 source scripts/bridge.sh
-"$PY" -m pip install -q --disable-pip-version-check -e ".[test]"
-repo_bytecode
+install_repo  # env.sh
 source scripts/torchtitan.sh
 [ -z "$torch_bytecode" ] || wait "$torch_bytecode" || true  # env.sh
 bridge_wait
