@@ -1,6 +1,8 @@
-# Sourced by scripts/test.sh: create or reuse the second environment, Python 3.12 without
-# torch, and install te_paged there with the jax extra only, as a JAX user would: if torch
-# were still a dependency, pip would fetch it here. Pins: scripts/jax-constraints.txt.
+# Sourced by scripts/test.sh (in the background, from the repository root): create or reuse the
+# second environment, Python 3.12 without torch, and install te_paged there with the jax extra
+# only, as a JAX user would: if torch were still a dependency, pip would fetch it here. Pins:
+# scripts/jax-constraints.txt. pip writes te_paged.egg-info into the repository: it takes turns
+# with the other installs (env.sh's install_repo).
 JAX_VENV=${JAX_VENV:-.venv-jax}
 if [ ! -x "$JAX_VENV/bin/python" ]; then
   py312=$(PYENV_VERSION=3.12.1 command -v python3.12 || true)
@@ -11,5 +13,5 @@ if [ ! -x "$JAX_VENV/bin/python" ]; then
   fi
   PYENV_VERSION=3.12.1 "$py312" -m venv "$JAX_VENV"
 fi
-"$JAX_VENV/bin/python" -m pip install -q --disable-pip-version-check \
+flock pyproject.toml "$JAX_VENV/bin/python" -m pip install -q --disable-pip-version-check \
   -c scripts/jax-constraints.txt -e ".[jax]" pytest pytest-timeout hypothesis numpy jsonschema

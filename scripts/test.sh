@@ -1,7 +1,23 @@
 #!/usr/bin/env bash
 # The whole test suite: lint, unit, distributed and functional tests (CPU).
 # Extra arguments go to pytest.
-source "$(dirname "$0")/env.sh"
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# The environment without torch (.venv-jax: Python 3.12, te_paged.jax only) and, for the whole
+# suite, the JAX tests' pass there, in the background from the start: neither needs .venv, and
+# the set-up below leaves a core idle while pip writes files. Its output comes before the lint.
+jax_log=$(mktemp)
+(
+  source scripts/jax_env.sh
+  if [ $# -eq 0 ]; then
+    # Those that block torch's import stand in for its absence; they run only here. (A newer
+    # jax here, without the filelock package: an XLA cache of its own.)
+    TE_PAGED_TEST_XLA_CACHE= OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$JAX_VENV/bin/python" \
+      -m pytest -q -p no:cacheprovider -m torch_free tests/unit/jax
+  fi
+) >"$jax_log" 2>&1 &
+jax_job=$!
+source scripts/env.sh
 # Megatron-core 0.19.2 and 0.16.1 for the integration tests, pinned; --no-deps keeps them from
 # touching torch. Installed first: the compile warm-up below runs a Megatron test worker.
 source scripts/megatron.sh  # env.sh cd-ed to the repository root
@@ -26,23 +42,23 @@ if [ ! -d "$inductor_cache/fxgraph" ]; then
 fi
 install_repo  # env.sh
 source scripts/torchtitan.sh  # torchtitan 0.3.0, for its integration tests
-source scripts/jax_env.sh  # .venv-jax: Python 3.12, te_paged.jax without torch
 for pid in "${warm_compile[@]}"; do  # a failed warm-up costs only its time (the test compiles)
   wait "$pid" || true
 done
 bridge_wait
+jax_status=0
+wait "$jax_job" || jax_status=$?
+cat "$jax_log"
+rm -f "$jax_log"
+[ "$jax_status" -eq 0 ] || exit "$jax_status"
 [ -z "$warm_dir" ] || rm -rf "$warm_dir"
 "$VENV/bin/ruff" check .
 "$VENV/bin/ruff" format --check .
 # Launched ranks share few cores with the test process; idle OpenMP threads spin. One thread
 # a process unless the caller sets it.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-if [ $# -eq 0 ]; then  # the whole suite: the JAX tests in the environment without torch too
-  # (A newer jax there, without the filelock package: a cache of its own.)
-  TE_PAGED_TEST_XLA_CACHE= "$JAX_VENV/bin/python" -m pytest -q -p no:cacheprovider -m torch_free \
-    tests/unit/jax
-  # Those that block torch's import to stand in for its absence have just run where it is
-  # absent; the rest run again here, on the test extra's JAX beside torch.
+if [ $# -eq 0 ]; then  # the whole suite, but for the two torch_blocked JAX tests (above)
+  # The other JAX tests run again here, on the test extra's JAX beside torch.
   exec "$PY" -m pytest -q -m "not torch_blocked"
 fi
 exec "$PY" -m pytest -q "$@"
