@@ -7,6 +7,8 @@
 # constraint file of its own, which also stands in for any cap a machine's pip configuration
 # sets (PIP_CONSTRAINT replaces it for those calls only).
 set -euo pipefail
+# A set-up step that fails names itself: under `set -e` bash would stop without a word.
+trap 'echo "${BASH_SOURCE[0]:-bash}:$LINENO: exit $? from: $BASH_COMMAND" >&2' ERR
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 TORCH_RELEASE=${TORCH_RELEASE:-2.13.0}
 if [ "$TORCH_RELEASE" = 2.13.0 ]; then
@@ -23,8 +25,18 @@ fi
 # pip compiles what it installs to bytecode on one core, most of torch's install time. torch and
 # what comes with it install without that, and are compiled on every core in the background
 # while the next installs run (those compile their own). `wait "$torch_bytecode"` before
-# starting a process that imports torch, or it reads the sources.
-"$PY" -m pip install -q --disable-pip-version-check --no-compile "torch==$TORCH_RELEASE"
+# starting a process that imports torch, or it reads the sources. A lane's torch comes from the
+# registry (about 3.5 GB): the lanes download it one at a time (a lock on this file, which
+# nothing writes), and a failed install is tried again, twice.
+torch_lock=
+[ "$TORCH_RELEASE" = 2.13.0 ] || torch_lock="flock scripts/env.sh"
+for try in 1 2 3; do
+  $torch_lock "$PY" -m pip install -q --disable-pip-version-check --no-compile \
+    "torch==$TORCH_RELEASE" && break
+  [ "$try" -lt 3 ] || { echo "env.sh: installing torch $TORCH_RELEASE failed 3 times" >&2; exit 1; }
+  echo "env.sh: installing torch $TORCH_RELEASE failed (try $try of 3); trying again" >&2
+  sleep 10
+done
 SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 torch_bytecode=
 if ! compgen -G "$SITE/torch/__pycache__/__init__.*.pyc" >/dev/null; then  # just installed
