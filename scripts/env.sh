@@ -28,10 +28,10 @@ fi
 # starting a process that imports torch, or it reads the sources. A lane's torch comes from the
 # registry (about 3.5 GB): the lanes download it one at a time (a lock on this file, which
 # nothing writes), and a failed install is tried again, twice.
-torch_lock=
-[ "$TORCH_RELEASE" = 2.13.0 ] || torch_lock="flock scripts/env.sh"
+torch_lock=()
+[ "$TORCH_RELEASE" = 2.13.0 ] || torch_lock=(flock scripts/env.sh)
 for try in 1 2 3; do
-  $torch_lock "$PY" -m pip install -q --disable-pip-version-check --no-compile \
+  "${torch_lock[@]}" "$PY" -m pip install -q --disable-pip-version-check --no-compile \
     "torch==$TORCH_RELEASE" && break
   [ "$try" -lt 3 ] || { echo "env.sh: installing torch $TORCH_RELEASE failed 3 times" >&2; exit 1; }
   echo "env.sh: installing torch $TORCH_RELEASE failed (try $try of 3); trying again" >&2
