@@ -4,7 +4,7 @@
 source "$(dirname "$0")/env.sh"
 extras=torch,plot  # torch: the pinned build env.sh installed satisfies it
 case " $* " in *" --engine jax "* | *" --engine=jax "*) extras=torch,plot,jax ;; esac
-"$PY" -m pip install -q --disable-pip-version-check -e ".[$extras]"
+"${pip_install[@]}" -e ".[$extras]"
 case " $* " in  # megatron-core 0.19.2 (and 0.16.1), pinned, next to the pinned torch
   *" --engine megatron "* | *" --engine=megatron "*) source scripts/megatron.sh ;;
   *" --engine bridge "* | *" --engine=bridge "*)  # Megatron-Bridge 0.6.2 on megatron-core 0.19.2
@@ -16,5 +16,4 @@ esac
 case " $* " in  # torchtitan 0.3.0, next to the pinned torch
   *" --engine torchtitan "* | *" --engine=torchtitan "*) source scripts/torchtitan.sh ;;
 esac
-[ -z "$torch_bytecode" ] || wait "$torch_bytecode" || true  # env.sh
 exec "$VENV/bin/te-paged" ab "$@"

@@ -21,7 +21,7 @@ case "$VENV" in /*) BRIDGE_PATH="$VENV/megatron-bridge/0.6.2" ;; esac
 bridge_pid=
 if [ ! -f "$BRIDGE_PATH/megatron/bridge/package_info.py" ]; then
   rm -rf "$BRIDGE_PATH"
-  "$PY" -m pip install -q --disable-pip-version-check --no-deps --ignore-requires-python \
+  "${pip_install[@]}" --no-deps --ignore-requires-python \
     --only-binary=:all: --target "$BRIDGE_PATH" megatron-bridge==0.6.2 \
     -r scripts/bridge-requirements.txt &
   bridge_pid=$!

@@ -22,38 +22,30 @@ if [ "$TORCH_RELEASE" != 2.13.0 ]; then
   echo "torch==$TORCH_RELEASE" >"$VENV/torch-constraint.txt"
   export PIP_CONSTRAINT="$(cd "$VENV" && pwd)/torch-constraint.txt"
 fi
-# pip compiles what it installs to bytecode on one core, most of torch's install time. torch and
-# what comes with it install without that, and are compiled on every core in the background
-# while the next installs run (those compile their own). `wait "$torch_bytecode"` before
-# starting a process that imports torch, or it reads the sources. A lane's torch comes from the
-# registry (about 3.5 GB): the lanes download it one at a time (a lock on this file, which
-# nothing writes), and a failed install is tried again, twice.
+# Bytecode: each module is compiled when a process first imports it, and written for the next
+# one (pip installs with --no-compile). Where PYTHONDONTWRITEBYTECODE is set (it is on this
+# project's machines) every process the tests start would compile its imports again; compiling
+# all that is installed up front compiled about 60 % that nothing imports (most of pandas,
+# sympy and scipy). pip_install is the one pip install line of the set-up scripts.
+unset PYTHONDONTWRITEBYTECODE
+pip_install=("$PY" -m pip install -q --disable-pip-version-check --no-compile)
+# A lane's torch comes from the registry (about 3.5 GB): the lanes download it one at a time (a
+# lock on this file, which nothing writes), and a failed install is tried again, twice.
 torch_lock=()
 [ "$TORCH_RELEASE" = 2.13.0 ] || torch_lock=(flock scripts/env.sh)
 for try in 1 2 3; do
-  "${torch_lock[@]}" "$PY" -m pip install -q --disable-pip-version-check --no-compile \
-    "torch==$TORCH_RELEASE" && break
+  "${torch_lock[@]}" "${pip_install[@]}" "torch==$TORCH_RELEASE" && break
   [ "$try" -lt 3 ] || { echo "env.sh: installing torch $TORCH_RELEASE failed 3 times" >&2; exit 1; }
   echo "env.sh: installing torch $TORCH_RELEASE failed (try $try of 3); trying again" >&2
   sleep 10
 done
 SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-torch_bytecode=
-if ! compgen -G "$SITE/torch/__pycache__/__init__.*.pyc" >/dev/null; then  # just installed
-  # What is in site-packages now: a later install may be writing elsewhere in it meanwhile.
-  # A file that does not compile (pip skips those too) does not fail the set-up.
-  "$PY" -m compileall -q -j 0 "$SITE"/* >/dev/null 2>&1 &
-  torch_bytecode=$!
-fi
 # JAX's compilation cache for the tests (tests/unit/jax/conftest.py), outside the repository as
 # inductor's is: the torch lanes run the JAX tests the main command ran, on the same jax.
 export TE_PAGED_TEST_XLA_CACHE=${TE_PAGED_TEST_XLA_CACHE-${TMPDIR:-/tmp}/te_paged_xla_$(id -un)}
-# te_paged itself, editable, with its test extra; then its modules as bytecode. pip writes
-# te_paged.egg-info into the repository: the lanes that .ci/run runs at once take turns
-# (a lock on pyproject.toml, which nothing writes). Bytecode: where PYTHONDONTWRITEBYTECODE is
-# set (it is on this project's machines), each process the tests start (every launch, every
-# `te-paged` command) would compile te_paged's sources again, about 0.8 s of CPU each.
+# te_paged itself, editable, with its test extra. pip writes te_paged.egg-info into the
+# repository: the lanes that .ci/run runs at once take turns (a lock on pyproject.toml, which
+# nothing writes).
 install_repo() {
-  flock pyproject.toml "$PY" -m pip install -q --disable-pip-version-check -e ".[test]"
-  "$PY" -m compileall -q -j 0 te_paged functional_tests tests >/dev/null
+  flock pyproject.toml "${pip_install[@]}" -e ".[test]"
 }

@@ -13,5 +13,7 @@ if [ ! -x "$JAX_VENV/bin/python" ]; then
   fi
   PYENV_VERSION=3.12.1 "$py312" -m venv "$JAX_VENV"
 fi
+unset PYTHONDONTWRITEBYTECODE  # as env.sh: bytecode written at first import, not installed
 flock pyproject.toml "$JAX_VENV/bin/python" -m pip install -q --disable-pip-version-check \
-  -c scripts/jax-constraints.txt -e ".[jax]" pytest pytest-timeout hypothesis numpy jsonschema
+  --no-compile -c scripts/jax-constraints.txt -e ".[jax]" pytest pytest-timeout hypothesis numpy \
+  jsonschema

@@ -19,12 +19,12 @@ for spec in 0.19.2:3.12 0.16.1:3.11; do  # release:the Python its wheel is taken
   target="$VENV/megatron/$release"
   [ -f "$target/megatron/core/package_info.py" ] && continue
   rm -rf "$target"
-  "$PY" -m pip install -q --disable-pip-version-check --no-deps --only-binary=:all: \
+  "${pip_install[@]}" --no-deps --only-binary=:all: \
     --python-version "${spec##*:}" --ignore-requires-python --target "$target" \
     "megatron-core==$release" &
   release_pips+=($!)
 done
-"$PY" -m pip install -q --disable-pip-version-check numpy packaging psutil triton
+"${pip_install[@]}" numpy packaging psutil triton
 for pid in "${release_pips[@]}"; do
   wait "$pid" || { echo "megatron.sh: installing a megatron-core release failed" >&2; exit 1; }
 done

@@ -26,8 +26,7 @@ source scripts/bridge.sh  # Megatron-Bridge 0.6.2 in a folder of its own, in the
 # that compile most (the Megatron experts worker, the compiled-activation tests) fill it now,
 # niced, beside pip's installs, with the tests' settings, so the tests find their graphs
 # compiled. The tests wait for them: left running, they slow the first rank launches.
-"$PY" -m pip install -q --disable-pip-version-check "pytest>=8"
-[ -z "$torch_bytecode" ] || wait "$torch_bytecode" || true  # env.sh
+"${pip_install[@]}" "pytest>=8"
 warm_compile=() warm_dir=
 inductor_cache=${TORCHINDUCTOR_CACHE_DIR:-${TMPDIR:-/tmp}/torchinductor_$(id -un)}
 if [ ! -d "$inductor_cache/fxgraph" ]; then

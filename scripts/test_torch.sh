@@ -19,7 +19,6 @@ source scripts/megatron.sh
 source scripts/bridge.sh
 install_repo  # env.sh
 source scripts/torchtitan.sh
-[ -z "$torch_bytecode" ] || wait "$torch_bytecode" || true  # env.sh
 bridge_wait
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # The main job: `te-paged ab` on the default model, several ranks.

@@ -5,7 +5,7 @@
 # (`metrics.enable_wandb`): installed, megatron-core would import it in every process (its
 # timers do when it is present). triton: torchtitan's MoE import chain needs it without
 # declaring it.
-"$PY" -m pip install -q --disable-pip-version-check --no-deps torchtitan==0.3.0
-"$PY" -m pip install -q --disable-pip-version-check -c <(echo "torch==$TORCH_RELEASE") \
+"${pip_install[@]}" --no-deps torchtitan==0.3.0
+"${pip_install[@]}" -c <(echo "torch==$TORCH_RELEASE") \
   "torchdata>=0.8.0" "torch_checkpointing>=0.1.0" "datasets>=3.6.0,<4.8.0" "tokenizers>=0.15.0" \
   safetensors tyro tensorboard einops pillow spmd_types==0.2.3 triton
