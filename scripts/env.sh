@@ -26,7 +26,8 @@ fi
 # one (pip installs with --no-compile). Where PYTHONDONTWRITEBYTECODE is set (it is on this
 # project's machines) every process the tests start would compile its imports again; compiling
 # all that is installed up front compiled about 60 % that nothing imports (most of pandas,
-# sympy and scipy). pip_install is the one pip install line of the set-up scripts.
+# sympy and scipy). pip_install: the one install line of the torch environments' scripts
+# (jax_env.sh, another interpreter, passes the same flags).
 unset PYTHONDONTWRITEBYTECODE
 pip_install=("$PY" -m pip install -q --disable-pip-version-check --no-compile)
 # A lane's torch comes from the registry (about 3.5 GB): the lanes download it one at a time (a
