@@ -24,10 +24,15 @@ both; registering an effectful op is not (``torch.library._register_effectful_op
 :mod:`te_paged.kernels.compiled`). ``torch._dynamo.config.disable`` (the Megatron CPU shims)
 exists on both; ``torch.compiler.set_stance("force_eager")``, its public neighbour, still
 installs Dynamo's frame hook, which is what the shim keeps away.
+
+``import te_paged`` does not import Dynamo (about 1.2 s of CPU a process; the CLI and ranks that
+never compile have no use for it): :func:`assume_constant_result` marks a function as torch's
+does, and the compile refusal is built only on a torch that refuses to compile.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch
@@ -37,6 +42,7 @@ __all__ = [
     "COMPILE_RELEASE",
     "TORCH_RELEASE",
     "OpaqueBase",
+    "assume_constant_result",
     "backward_running",
     "check_compile_release",
     "register_symbolic_opaque",
@@ -84,13 +90,20 @@ _COMPILE_REFUSED = (
 )
 
 
-def _refuse_compile() -> None:
-    raise RuntimeError(_COMPILE_REFUSED)
+def _compile_refusal() -> Callable[[], None]:
+    """The refusal as a function Dynamo runs and never traces: a compiled region that reaches it
+    raises when it runs (Dynamo breaks the graph there; a ``raise`` it traced would instead
+    rerun the frame eagerly, where no check runs), and under ``fullgraph=True`` Dynamo's own
+    error carries the reason."""
+
+    def refuse() -> None:
+        raise RuntimeError(_COMPILE_REFUSED)
+
+    return torch.compiler.disable(refuse, reason=_COMPILE_REFUSED)
 
 
-# Run, not traced: a compiled region that reaches it raises when it runs (Dynamo breaks the
-# graph there), and under fullgraph=True Dynamo's own error carries the reason.
-_refuse_compile_now = torch.compiler.disable(_refuse_compile, reason=_COMPILE_REFUSED)
+#: Built at import only on a torch that refuses: ``torch.compiler.disable`` imports Dynamo.
+_refuse_compile_now = _compile_refusal() if TORCH_RELEASE < COMPILE_RELEASE else None
 
 
 def check_compile_release() -> None:
@@ -98,6 +111,19 @@ def check_compile_release() -> None:
     :data:`COMPILE_RELEASE` a ``RuntimeError`` naming it, never a silent eager fallback."""
     if TORCH_RELEASE < COMPILE_RELEASE:
         _refuse_compile_now()
+
+
+def assume_constant_result(fn: Callable) -> Callable:
+    """``torch.compiler.assume_constant_result(fn)`` without importing Dynamo: that function
+    imports ``torch._dynamo`` (about 1.2 s of CPU) only to set the one attribute Dynamo reads
+    when it meets ``fn`` in a trace, and te_paged marks its functions at import, where most
+    processes (the CLI, a rank that never compiles) never trace. Where Dynamo is loaded
+    already, torch's own function marks it; tests/unit/test_torch_compat.py checks on every
+    tested torch that it sets exactly this attribute."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
 
 
 def register_symbolic_opaque(cls: type) -> None:

@@ -67,7 +67,7 @@ from te_paged.config.checks import require_real
 from te_paged.kernels.compiled import HostCall, host_call
 from te_paged.moe.all_to_all import AllToAll, all_to_all
 from te_paged.moe.config_adapter import as_moe_config
-from te_paged.torch_compat import backward_running
+from te_paged.torch_compat import assume_constant_result, backward_running
 
 __all__ = ["DispatchHandle", "StaticBudgetDispatcher", "static_budget"]
 
@@ -117,7 +117,7 @@ def static_budget(
     return split_rows(rows, ep_size, block)
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def _static_sizes(
     topk: int,
     block: int,

@@ -41,12 +41,13 @@ from te_paged.moe.fused_mlp import fused_grouped_mlp
 from te_paged.moe.participant import PagedStashParticipant
 from te_paged.moe.recompute import CheckpointWithoutOutput
 from te_paged.stash import PagedStashManager
+from te_paged.torch_compat import assume_constant_result
 
 __all__ = ["TEGroupedMLP"]
 
 #: ``floor(max_num_tokens / factor)`` of the exact decimal factor (a ``Fraction``, which Dynamo
 #: does not trace): evaluated once per traced shape, a constant of the graph.
-_balanced_rows = torch.compiler.assume_constant_result(balanced_rows)
+_balanced_rows = assume_constant_result(balanced_rows)
 
 
 def _manager_device(device: torch.device | str | None) -> torch.device | str | None:

@@ -519,13 +519,16 @@ def _run_jax(args: argparse.Namespace):
 
 def preload_modules(args: argparse.Namespace) -> tuple[str, ...]:
     """What the forkserver the ranks are forked from imports once for every rank: torch (its
-    import makes no CUDA call) and this module; on the CPU also the engine's framework
-    (``te_paged.tools.preload_megatron``, ``preload_bridge``, ``preload_torchtitan``), whose
-    import can touch CUDA
-    where there is one."""
+    import makes no CUDA call) and this module; on the CPU also torch's ``MemTracker``, which
+    measures each rank's memory there (with Dynamo and Inductor, which it imports: about 1.5 s
+    of CPU a rank), and the engine's framework (``te_paged.tools.preload_megatron``,
+    ``preload_bridge``, ``preload_torchtitan``), whose import can touch CUDA where there is
+    one."""
     modules = ("torch", "torch.distributed", __name__)
-    if args.device == "cpu" and args.engine in ("megatron", "bridge", "torchtitan"):
-        modules += (f"te_paged.tools.preload_{args.engine}",)
+    if args.device == "cpu":
+        modules += ("torch.distributed._tools.mem_tracker",)
+        if args.engine in ("megatron", "bridge", "torchtitan"):
+            modules += (f"te_paged.tools.preload_{args.engine}",)
     return modules
 
 

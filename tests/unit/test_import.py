@@ -1,4 +1,5 @@
-"""`import te_paged` needs no GPU, no Triton, no Transformer Engine and initialises no CUDA."""
+"""`import te_paged` needs no GPU, no Triton, no Transformer Engine and initialises no CUDA (nor
+imports Dynamo)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,13 @@ def test_import_without_triton_or_te_touches_no_cuda() -> None:
         sys.modules["transformer_engine"] = None
         import torch
         import te_paged, te_paged.stash, te_paged.kernels, te_paged.markers, te_paged.config
+        import te_paged.moe, te_paged.grouped, te_paged.runtime, te_paged.cli
         assert not torch.cuda.is_initialized(), "importing te_paged initialised CUDA"
+        # Dynamo's import is 1.2 s of CPU a process (the CLI, each rank that never compiles);
+        # on a torch too old to compile te_paged, the import builds the refusal with it
+        from te_paged.torch_compat import COMPILE_RELEASE, TORCH_RELEASE
+        if TORCH_RELEASE >= COMPILE_RELEASE:
+            assert "torch._dynamo" not in sys.modules, "importing te_paged imported torch._dynamo"
         assert "triton" not in sys.modules or sys.modules["triton"] is None
         names = [n for n in te_paged.__all__ if n.startswith("_")]
         assert not names, names

@@ -18,6 +18,24 @@ def test_the_clamp_rule_is_the_running_torchs() -> None:
     assert bool(x.grad.all()) or not bool(x.grad.any())  # both limits alike
 
 
+def test_assume_constant_result_marks_as_torchs_own_does(monkeypatch) -> None:
+    """te_paged marks its constant functions without importing Dynamo: the attribute it sets
+    must be exactly what the running torch's ``torch.compiler.assume_constant_result`` sets."""
+
+    def ours() -> int:
+        return 1
+
+    def torchs() -> int:
+        return 1
+
+    marked = torch.compiler.assume_constant_result(torchs)
+    assert marked is torchs and vars(torchs), "torch's marking no longer sets an attribute"
+    monkeypatch.delitem(sys.modules, "torch._dynamo")  # the path a process without Dynamo takes
+    assert torch_compat.assume_constant_result(ours) is ours
+    assert vars(ours) == vars(torchs)
+    assert torch_compat.assume_constant_result(lambda: 1).__dict__ == vars(torchs)
+
+
 def test_the_release_is_the_running_torchs() -> None:
     major, minor = torch.__version__.split(".")[:2]
     assert torch_compat.TORCH_RELEASE == (int(major), int(minor))
@@ -42,6 +60,8 @@ def test_compiling_on_a_torch_older_than_the_compiled_stash_needs_names_the_rele
     from te_paged.moe import TEGroupedMLP
 
     monkeypatch.setattr(torch_compat, "TORCH_RELEASE", (2, 10))
+    # what te_paged's import builds on such a torch (only there: it imports Dynamo)
+    monkeypatch.setattr(torch_compat, "_refuse_compile_now", torch_compat._compile_refusal())
     cfg = MoEConfig(
         hidden_size=16, moe_ffn_hidden_size=16, num_moe_experts=2,
         moe_expert_rank_capacity_factor=2.0, moe_paged_stash=True, moe_paged_stash_page_size=4,

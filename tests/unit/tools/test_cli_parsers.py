@@ -210,13 +210,17 @@ def test_cpu_ranks_fork_from_a_server_that_imported_the_framework(
     pytest.importorskip(framework)
     cpu = ab_command.preload_modules(argparse.Namespace(engine=engine, device="cpu"))
     assert cpu[:3] == ("torch", "torch.distributed", ab_command.__name__)
-    (preload,) = cpu[3:]
-    importlib.import_module(preload)
+    # torch's MemTracker, which measures a CPU rank's memory, then the framework
+    tracker, preload = cpu[3:]
+    assert tracker == "torch.distributed._tools.mem_tracker"
+    for name in (tracker, preload):
+        importlib.import_module(name)
     assert all(name in sys.modules for name in imported)
     # Never for CUDA ranks: an import that initialises CUDA would leave them unable to use it.
     cuda = ab_command.preload_modules(argparse.Namespace(engine=engine, device="cuda"))
     assert cuda == cpu[:3]
-    assert ab_command.preload_modules(argparse.Namespace(engine="default", device="cpu")) == cuda
+    default = ab_command.preload_modules(argparse.Namespace(engine="default", device="cpu"))
+    assert default == (*cuda, tracker)
 
 
 class _Terminal(io.StringIO):
